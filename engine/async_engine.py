@@ -1,0 +1,167 @@
+"""An asyncio front for LLMEngine.
+
+The engine is single-threaded: every mutation (add, abort, step, and the
+workers' reservation calls) runs on one engine thread, between steps, so the
+event loop never blocks on the model and the engine never sees two callers
+at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger("engine")
+T = TypeVar("T")
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._ops: list[tuple[Callable[[LLMEngine], Any], asyncio.Future]] = []
+        self._ops_lock = threading.Lock()
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._wake = asyncio.Event()
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self._task: asyncio.Task | None = None
+        self._closed = False
+        # Called on the event loop after each step with the step's outputs.
+        self.step_hooks: list[Callable[[list[RequestOutput]], None]] = []
+
+    # ---- public API ------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str = "",
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield incremental outputs until the request finishes. Leaving the
+        loop early (or cancelling) aborts the request."""
+        params = params or SamplingParams()
+        request_id = request_id or f"req-{id(object())}"
+        prompt_text, token_ids = self.engine.tokenize(prompt)
+        self.engine.validate(token_ids, params)
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def add(engine: LLMEngine) -> None:
+            seqs = engine.make_sequences(request_id, token_ids, params)
+            engine.outputs.add(request_id, prompt_text, seqs)
+            engine.scheduler.add_request(seqs[0])
+
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        # Registered before the add: the add's own step may already produce output.
+        self._streams[request_id] = queue
+        try:
+            await self.run(add)
+        except BaseException:
+            self._streams.pop(request_id, None)
+            if not self._closed:  # cancelled mid-add: the add may still land
+                asyncio.ensure_future(self.abort(request_id))
+            raise
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished and not self._closed:
+                await asyncio.shield(self.abort(request_id))
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; when this returns its blocks are free."""
+        outs = await self.run(lambda engine: engine.abort_request(request_id))
+        self._dispatch(outs)
+
+    async def run(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run ``fn(engine)`` on the engine thread between two steps."""
+        if self._closed:
+            raise RuntimeError("the engine is shut down")
+        self._ensure_loop()
+        future: asyncio.Future = asyncio.get_running_loop().create_future()
+        with self._ops_lock:
+            self._ops.append((fn, future))
+        self._wake.set()
+        return await future
+
+    async def shutdown(self) -> None:
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        self._thread.shutdown(wait=True)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._streams)
+
+    # ---- the loop ------------------------------------------------------------------
+
+    def _ensure_loop(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            with self._ops_lock:
+                ops, self._ops = self._ops, []
+            if not ops and not self.engine.has_unfinished_requests():
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            try:
+                results, outputs = await loop.run_in_executor(self._thread, self._tick, ops)
+            except Exception as exc:  # the model failed: fail every request, keep serving
+                logger.exception("engine step failed")
+                await loop.run_in_executor(self._thread, self._abort_all)
+                for queue in self._streams.values():
+                    queue.put_nowait(RuntimeError(f"engine step failed: {exc}"))
+                continue
+            for (_, future), (ok, value) in zip(ops, results):
+                if future.done():
+                    continue
+                if ok:
+                    future.set_result(value)
+                else:
+                    future.set_exception(value)
+            self._dispatch(outputs)
+
+    def _tick(self, ops) -> tuple[list[tuple[bool, Any]], list[RequestOutput]]:
+        results = []
+        for fn, _ in ops:
+            try:
+                results.append((True, fn(self.engine)))
+            except Exception as exc:
+                results.append((False, exc))
+        outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+        return results, outputs
+
+    def _abort_all(self) -> None:
+        self.engine.abort_request(list(self.engine.outputs.groups))
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            queue = self._streams.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(out)
+        for hook in self.step_hooks:
+            hook(outputs)

@@ -1,0 +1,144 @@
+"""Ref-counted KV blocks, an O(1) LRU free queue, and the prefix-cache map.
+
+A block is *free* when no request holds it (``ref_cnt == 0``); a free block
+may still hold a cached prefix (``block_hash`` set) and can be revived by a
+cache hit until it is handed out again. Blocks are handed out from the head of
+the free queue (least recently freed first), so cached prefixes survive as
+long as possible.
+"""
+
+from __future__ import annotations
+
+
+class KVBlock:
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev", "next")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: int | None = None
+        self.prev: KVBlock | None = None
+        self.next: KVBlock | None = None
+
+    def __repr__(self) -> str:
+        return f"KVBlock({self.block_id}, ref={self.ref_cnt}, hash={self.block_hash})"
+
+
+class FreeBlockQueue:
+    """A doubly linked list of blocks: popleft, append and remove in O(1).
+
+    ``remove`` is what a plain deque cannot do cheaply: a cache hit takes a
+    block out of the middle of the queue.
+    """
+
+    def __init__(self, blocks: list[KVBlock]) -> None:
+        self._head = KVBlock(-1)  # sentinels
+        self._tail = KVBlock(-1)
+        self._head.next, self._tail.prev = self._tail, self._head
+        self._len = 0
+        for block in blocks:
+            self.append(block)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def append(self, block: KVBlock) -> None:
+        last = self._tail.prev
+        assert last is not None
+        block.prev, block.next = last, self._tail
+        last.next = self._tail.prev = block
+        self._len += 1
+
+    def popleft(self) -> KVBlock:
+        if self._len == 0:
+            raise IndexError("no free blocks")
+        block = self._head.next
+        assert block is not None
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVBlock) -> None:
+        assert block.prev is not None and block.next is not None, "block not in the queue"
+        block.prev.next, block.next.prev = block.next, block.prev
+        block.prev = block.next = None
+        self._len -= 1
+
+    def block_ids(self) -> list[int]:
+        """Free block ids from head to tail (for tests and debugging)."""
+        out, node = [], self._head.next
+        while node is not self._tail:
+            assert node is not None
+            out.append(node.block_id)
+            node = node.next
+        return out
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self._cached: dict[int, KVBlock] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by requests (0.0 - 1.0)."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def allocate(self, n: int) -> list[KVBlock]:
+        """Take ``n`` blocks, evicting whatever prefix they cached."""
+        if n > len(self.free_queue):
+            raise ValueError(f"asked for {n} blocks, {len(self.free_queue)} free")
+        out = []
+        for _ in range(n):
+            block = self.free_queue.popleft()
+            self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def lookup(self, block_hash: int) -> KVBlock | None:
+        return self._cached.get(block_hash)
+
+    def touch(self, blocks: list[KVBlock]) -> None:
+        """Take one more reference on each block (a cache hit or a fork)."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free(self, blocks: list[KVBlock]) -> None:
+        """Drop one reference from each block; those that reach zero join the
+        free queue in the given order (pass a request's blocks tail first so
+        the end of a prefix is evicted before its start)."""
+        for block in blocks:
+            block.ref_cnt -= 1
+            assert block.ref_cnt >= 0, f"{block} freed twice"
+            if block.ref_cnt == 0:
+                self.free_queue.append(block)
+
+    def cache(self, block: KVBlock, block_hash: int) -> None:
+        """Publish a full block under its chained hash."""
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        if block_hash in self._cached:
+            return  # an identical block is cached already; keep the first one
+        block.block_hash = block_hash
+        self._cached[block_hash] = block
+
+    def reset_prefix_cache(self) -> None:
+        for block in list(self._cached.values()):
+            self._evict(block)
+
+    def _evict(self, block: KVBlock) -> None:
+        if block.block_hash is not None:
+            if self._cached.get(block.block_hash) is block:
+                del self._cached[block.block_hash]
+            block.block_hash = None

@@ -1,0 +1,161 @@
+"""Engine configuration: frozen, validated at construction, passed explicitly."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+
+_DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture of a Llama-family decoder, read from a HF config.json."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    rope_scaling: dict[str, Any] | None = None
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {self.architecture!r}; "
+                f"Tandem supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
+        archs = cfg.get("architectures") or []
+        arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                                        "mistral": "MistralForCausalLM"}.get(cfg.get("model_type"), "?")
+        num_heads = cfg["num_attention_heads"]
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        # transformers 5 writes rope settings as rope_parameters; older files use rope_scaling.
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or None
+        rope_theta = cfg.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
+        if rope is not None and rope.get("rope_type", rope.get("type", "default")) == "default":
+            rope = None
+        qkv_bias = bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM"))
+        sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            rope_scaling=dict(rope) if rope else None,
+            sliding_window=sliding,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def from_dir(cls, model_dir: Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ValueError(f"{model_dir} holds no config.json: not a supported model directory")
+        return cls.from_dict(json.loads(path.read_text()))
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest context the model may be run at. Sliding-window
+        attention is not implemented, so a window caps the context."""
+        if self.sliding_window:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache.
+
+    ``kv_cache_bytes`` sizes the cache on the CPU; on a GPU the cache takes
+    ``gpu_memory_utilization`` of the device memory minus what the weights
+    use. ``num_blocks`` overrides both (tests use it to force preemption).
+    """
+
+    block_size: int = 16
+    kv_cache_bytes: int = 2 << 30
+    gpu_memory_utilization: float = 0.9
+    num_blocks: int | None = None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size > 256:
+            raise ValueError(f"block_size must be in [1, 256], got {self.block_size}")
+        if self.kv_cache_bytes <= 0:
+            raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be at least 1, got {self.num_blocks}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    # None: the model's own limit.
+    max_model_len: int | None = None
+    # The most completions one request may ask for (``n``).
+    max_n: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_n"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0
+    attention_backend: str = "auto"
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(
+                f"attention_backend must be 'auto', 'torch' or 'triton', "
+                f"got {self.attention_backend!r}"
+            )

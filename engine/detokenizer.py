@@ -1,0 +1,67 @@
+"""Incremental detokenization with stop strings. Torch-free.
+
+Text is decoded over a sliding window of token ids: a delta is emitted only
+when the window's text grows and does not end in U+FFFD, so half of a
+multi-byte character is never sent. Up to ``len(longest stop) - 1``
+characters are held back, so a stop string split across tokens is never
+partly streamed.
+"""
+
+from __future__ import annotations
+
+from engine.tokenizer import Tokenizer
+
+
+class IncrementalDetokenizer:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: list[int],
+        stop: list[str] | None = None,
+        include_stop_str_in_output: bool = False,
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self.tokenizer = tokenizer
+        # A few prompt tokens give the first output token its context (a
+        # leading space, a continued word).
+        self.ids = list(prompt_token_ids[-6:])
+        self.prefix_offset = max(0, len(self.ids) - 5)
+        self.read_offset = len(self.ids)
+        self.stop = stop or []
+        self.include_stop = include_stop_str_in_output
+        self.skip_special = skip_special_tokens
+        self.holdback = max((len(s) for s in self.stop), default=1) - 1
+        self.text = ""  # everything decoded so far (stop-truncated)
+        self.num_emitted = 0  # characters of ``text`` already handed out
+        self.stop_reason: str | None = None
+
+    def add(self, token_id: int) -> None:
+        """Decode one more token; sets ``stop_reason`` if a stop string matched."""
+        if self.stop_reason is not None:
+            return
+        self.ids.append(token_id)
+        decode = self.tokenizer.decode
+        prefix = decode(self.ids[self.prefix_offset : self.read_offset], self.skip_special)
+        full = decode(self.ids[self.prefix_offset :], self.skip_special)
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return
+        delta = full[len(prefix) :]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        start = max(0, len(self.text) - self.holdback)
+        self.text += delta
+        for s in self.stop:
+            at = self.text.find(s, start)
+            if at != -1:
+                self.text = self.text[: at + len(s) if self.include_stop else at]
+                self.stop_reason = s
+                return
+
+    def take(self, final: bool) -> str:
+        """The text not yet handed out; holds back a possible stop-string
+        prefix unless ``final``."""
+        end = len(self.text) if final or self.stop_reason else len(self.text) - self.holdback
+        if end <= self.num_emitted:
+            return ""
+        out = self.text[self.num_emitted : end]
+        self.num_emitted = end
+        return out

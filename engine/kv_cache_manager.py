@@ -1,0 +1,137 @@
+"""Block tables per request, on top of the block pool.
+
+The scheduler asks three questions here and never sees a ``KVBlock``:
+which of a new request's tokens are already cached, can this request get
+slots for N more tokens, and free this request.
+
+Block table of a request with block_size 4 and 10 tokens::
+
+    tokens   0 1 2 3 | 4 5 6 7 | 8 9 . .
+    table    [  17   ,   3     ,  42    ]   <- block ids, append-only
+    slot of token i = table[i // 4] * 4 + i % 4
+"""
+
+from __future__ import annotations
+
+from engine.block_pool import BlockPool, KVBlock
+from engine.request import Request
+
+
+def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    """Chained hash: a block's hash covers every token before it too."""
+    return hash((parent_hash, token_ids))
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.enable_prefix_caching = enable_prefix_caching
+        self._blocks: dict[str, list[KVBlock]] = {}
+        self.prefix_queries = 0  # tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of those, tokens found
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """The longest cached prefix of a request that has computed nothing.
+
+        At least the last token is always left to compute, since its logits
+        are needed. Does not take references: pass the blocks to
+        ``allocate_slots`` in the same scheduling step.
+        """
+        if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
+            return [], 0
+        self._update_hashes(request, request.num_tokens)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        self.prefix_queries += request.num_tokens
+        self.prefix_hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed_blocks: list[KVBlock] | None = None,
+        cache_new_blocks: bool = True,
+    ) -> bool:
+        """Make room for ``num_new_tokens`` past the computed ones. Returns
+        False, changing nothing, when there are not enough free blocks.
+
+        With ``cache_new_blocks`` the blocks that these tokens fill are
+        published to the prefix cache at once: their KV is written before any
+        attention reads it in the same forward pass. A decode worker passes
+        False for KV that is still arriving and calls ``cache_blocks`` later.
+        """
+        computed_blocks = computed_blocks or []
+        held = self._blocks.get(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        num_needed = self.num_blocks_for(num_computed + num_new_tokens) - len(held) - len(
+            computed_blocks
+        )
+        # Cache hits that sit in the free queue stop being free once touched.
+        num_revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if num_needed > self.pool.num_free_blocks - num_revived:
+            return False
+        self.pool.touch(computed_blocks)
+        new = self.pool.allocate(max(num_needed, 0))
+        blocks = self._blocks.setdefault(request.request_id, [])
+        blocks.extend(computed_blocks)
+        blocks.extend(new)
+        request.block_ids.extend(b.block_id for b in computed_blocks)
+        request.block_ids.extend(b.block_id for b in new)
+        if cache_new_blocks:
+            self.cache_blocks(request, num_computed + num_new_tokens)
+        return True
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Publish the request's full blocks among its first ``num_tokens``."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(num_tokens, request.num_tokens) // self.block_size
+        self._update_hashes(request, num_full * self.block_size)
+        blocks = self._blocks[request.request_id]
+        for i in range(num_full):
+            self.pool.cache(blocks[i], request.block_hashes[i])
+
+    def fork(self, parent: Request, child: Request, num_tokens: int) -> None:
+        """Share the parent's first ``num_tokens // block_size`` blocks with a
+        child that has none yet (``n > 1``: the completions share the prompt)."""
+        shared = self._blocks[parent.request_id][: num_tokens // self.block_size]
+        self.pool.touch(shared)
+        self._blocks[child.request_id] = list(shared)
+        child.block_ids = [b.block_id for b in shared]
+        child.num_computed_tokens = len(shared) * self.block_size
+
+    def free(self, request: Request) -> None:
+        """Return all of a request's blocks. Safe to call twice."""
+        blocks = self._blocks.pop(request.request_id, None)
+        if blocks:
+            self.pool.free(list(reversed(blocks)))
+        request.block_ids = []
+
+    def num_held(self, request_id: str) -> int:
+        return len(self._blocks.get(request_id, ()))
+
+    def _update_hashes(self, request: Request, num_tokens: int) -> None:
+        bs = self.block_size
+        hashes = request.block_hashes
+        parent = hashes[-1] if hashes else None
+        for i in range(len(hashes), num_tokens // bs):
+            parent = hash_block(parent, tuple(request.token_ids[i * bs : (i + 1) * bs]))
+            hashes.append(parent)

@@ -1,0 +1,61 @@
+"""Rotary position embedding with the scalings Llama-family configs use."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from kernels import reference
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        return _llama3(inv_freq, scaling)
+    raise ValueError(
+        f"unsupported rope scaling {kind!r}; Tandem supports {', '.join(SUPPORTED_ROPE_TYPES)}"
+    )
+
+
+def _llama3(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1: stretch long wavelengths by ``factor``, keep short ones,
+    and blend linearly in between."""
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_ctx = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
+    return torch.where(medium, blended, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(
+        self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None
+    ) -> None:
+        super().__init__()
+        inv_freq = inverse_frequencies(head_dim, theta, scaling)
+        freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        # [max_position, head_dim // 2]. Plain attributes, not buffers, so that
+        # casting the model to half precision leaves them in float32.
+        self.cos = freqs.cos()
+        self.sin = freqs.sin()
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.cos[positions], self.sin[positions]
+        return reference.apply_rotary(q, cos, sin), reference.apply_rotary(k, cos, sin)

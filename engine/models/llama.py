@@ -1,0 +1,150 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) over a flattened, paged batch.
+
+Tokens of all sequences in a step are one flat batch ``[num_tokens, ...]``;
+where each token's keys and values live is in the attention metadata.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionBackend, AttentionMetadata
+from engine.config import ModelConfig
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache) of one layer
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, rotary: RotaryEmbedding):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.rotary = rotary
+        self.backend = backend
+        self.scale = self.head_dim**-0.5
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, rotary: RotaryEmbedding):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, backend, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, residual, positions, kv_cache, meta):
+        # h = x + attn(norm(x)); out = h + mlp(norm(h)), with the adds fused into the norms.
+        x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_position: int):
+        super().__init__()
+        self.config = cfg
+        rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, rotary) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
+            cfg.hidden_size, cfg.vocab_size, bias=False
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        x, residual = self.embed_tokens(input_ids), None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x, residual = layer(x, residual, positions, kv_cache, meta)
+        return self.norm(x, residual)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    # ---- weights ---------------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load Hugging Face checkpoint names, merging q/k/v and gate/up into
+        the fused projections. Every parameter must be loaded exactly once."""
+        params = dict(self.named_parameters())
+        fused = {  # HF name part -> (our name part, index of the shard)
+            "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+        }
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
+                continue
+            parts = name.split(".")
+            target, shard = name, None
+            for i, part in enumerate(parts):
+                if part in fused:
+                    our, shard = fused[part]
+                    target = ".".join(parts[:i] + [our] + parts[i + 1 :])
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} matches no parameter of the model")
+            param = params[target]
+            offset, size = self._shard_range(target, shard, param.shape[0])
+            if tensor.shape[0] != size or tensor.shape[1:] != param.shape[1:]:
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                    f"expected {(size, *param.shape[1:])}"
+                )
+            with torch.no_grad():
+                param[offset : offset + size].copy_(tensor)
+            loaded.add(f"{target}:{shard}")
+        expected = sum(3 if "qkv_proj" in n else 2 if "gate_up" in n else 1 for n in params)
+        if len(loaded) != expected:
+            missing = sorted(
+                n for n in params if not any(key.startswith(n + ":") for key in loaded)
+            )
+            raise ValueError(f"checkpoint is missing weights, e.g. {missing[:3]}")
+
+    def _shard_range(self, target: str, shard: int | None, rows: int) -> tuple[int, int]:
+        if shard is None:
+            return 0, rows
+        cfg = self.config
+        if "qkv_proj" in target:
+            q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+            return [(0, q), (q, kv), (q + kv, kv)][shard]
+        half = rows // 2
+        return shard * half, half

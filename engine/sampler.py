@@ -1,0 +1,170 @@
+"""Sampling in two calls: ``SamplingBatch.prepare`` builds the per-batch
+tensors once, ``sample`` turns logits into tokens.
+
+Seeded requests draw their noise from their own generator, a fixed amount per
+token, so a seed gives the same tokens alone and inside any batch. Sampling
+uses the exponential race (``argmax(p / q)`` with ``q ~ Exp(1)``), which
+equals drawing from ``p`` and needs no host sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.request import Request
+
+
+@dataclass
+class SamplingBatch:
+    temperature: torch.Tensor  # [B] float32, 1.0 for greedy rows (unused there)
+    greedy: torch.Tensor  # [B] bool
+    top_k: torch.Tensor | None  # [B] int64, vocab size where disabled
+    top_p: torch.Tensor | None  # [B] float32
+    min_p: torch.Tensor | None  # [B] float32
+    all_greedy: bool
+    generators: list[torch.Generator | None]
+    requests: list[Request]
+    max_logprobs: int  # top-N logprobs wanted by any row, -1 for none
+
+    @classmethod
+    def prepare(
+        cls, requests: list[Request], generators: list[torch.Generator | None], vocab_size: int,
+        device: torch.device,
+    ) -> SamplingBatch:
+        params = [r.params for r in requests]
+        temps = [p.temperature if p.temperature > 0 else 1.0 for p in params]
+        greedy = [p.temperature == 0 for p in params]
+        need_k = any(p.top_k > 0 for p in params)
+        need_p = any(p.top_p < 1 for p in params)
+        need_min_p = any(p.min_p > 0 for p in params)
+
+        def tensor(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        return cls(
+            temperature=tensor(temps, torch.float32),
+            greedy=tensor(greedy, torch.bool),
+            top_k=tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], torch.int64)
+            if need_k else None,
+            top_p=tensor([p.top_p for p in params], torch.float32) if need_p else None,
+            min_p=tensor([p.min_p for p in params], torch.float32) if need_min_p else None,
+            all_greedy=all(greedy),
+            generators=generators,
+            requests=requests,
+            max_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=-1),
+        )
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # Per row: {token_id: logprob} of the sampled token and the top-N, or None.
+    logprobs: list[dict[int, float] | None]
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    """``logits``: [B, vocab] float32, one row per request in ``batch``."""
+    logits = logits.float()
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_logprobs >= 0 else None
+    logits = _apply_penalties_and_bans(logits, batch.requests)
+
+    if batch.all_greedy:
+        tokens = logits.argmax(dim=-1)
+    else:
+        tokens = _sample_random(logits, batch)
+
+    token_list = tokens.tolist()
+    logprobs: list[dict[int, float] | None] = [None] * len(token_list)
+    if raw_logprobs is not None:
+        top_vals, top_ids = raw_logprobs.topk(max(batch.max_logprobs, 1), dim=-1)
+        chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
+        top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+        for row, request in enumerate(batch.requests):
+            n = request.params.logprobs
+            if n is None:
+                continue
+            entry = {token_list[row]: chosen[row]}
+            for tid, val in zip(top_ids[row][:n], top_vals[row][:n]):
+                entry.setdefault(tid, val)
+            logprobs[row] = entry
+    return SamplerOutput(token_list, logprobs)
+
+
+def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    greedy_tokens = logits.argmax(dim=-1)
+    logits = logits / batch.temperature[:, None]
+    logits = _apply_top_k_top_p_min_p(logits, batch)
+    probs = torch.softmax(logits, dim=-1)
+    noise = torch.empty_like(probs)
+    unseeded = [i for i, g in enumerate(batch.generators) if g is None]
+    if unseeded:
+        if len(unseeded) == len(batch.generators):
+            noise.exponential_()
+        else:
+            noise[unseeded] = torch.empty_like(noise[unseeded]).exponential_()
+    for i, gen in enumerate(batch.generators):
+        if gen is not None:
+            noise[i].exponential_(generator=gen)
+    sampled = (probs / noise).argmax(dim=-1)
+    return torch.where(batch.greedy, greedy_tokens, sampled)
+
+
+def _apply_top_k_top_p_min_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    if batch.top_k is None and batch.top_p is None and batch.min_p is None:
+        return logits
+    if batch.min_p is not None:
+        probs = torch.softmax(logits, dim=-1)
+        floor = probs.max(dim=-1, keepdim=True).values * batch.min_p[:, None]
+        logits = logits.masked_fill(probs < floor, float("-inf"))
+    if batch.top_k is None and batch.top_p is None:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if batch.top_k is not None:
+        drop |= ranks >= batch.top_k[:, None]
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    if batch.top_p is not None:
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop a token when the tokens ranked above it already reach top_p.
+        before = probs.cumsum(dim=-1) - probs
+        drop |= before >= batch.top_p[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+
+
+def _apply_penalties_and_bans(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """Repetition (over prompt and output, as in HF), presence and frequency
+    penalties (over output, as in OpenAI), and EOS/stop-token bans before
+    ``min_tokens``. Rows that need none are untouched."""
+    rows = [
+        i for i, r in enumerate(requests)
+        if r.params.has_penalties or r.num_output_tokens < r.params.min_tokens
+    ]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    vocab = logits.shape[-1]
+    for i in rows:
+        request, params, row = requests[i], requests[i].params, logits[i]
+        if params.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(request.token_ids)), dtype=torch.long)
+            seen = seen[seen < vocab].to(logits.device)
+            vals = row[seen]
+            row[seen] = torch.where(
+                vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty
+            )
+        if (params.presence_penalty or params.frequency_penalty) and request.num_output_tokens:
+            out = torch.tensor(request.output_token_ids, dtype=torch.long, device=logits.device)
+            counts = torch.bincount(out, minlength=vocab)[:vocab].to(logits.dtype)
+            row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+        if request.num_output_tokens < params.min_tokens:
+            banned = list(params.stop_token_ids)
+            if not params.ignore_eos:
+                banned += list(request.eos_token_ids)
+            banned = [t for t in banned if t < vocab]
+            if banned:
+                row[banned] = float("-inf")
+    return logits

@@ -1,0 +1,94 @@
+"""How to sample one request. Torch-free: the gateway validates with it too."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """Sampling settings with vLLM's names and meanings.
+
+    Every invalid value raises ``ValueError`` at construction, before any
+    block is allocated.
+    """
+
+    n: int = 1
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: no top-k
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-N logprobs per generated token
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        _check(isinstance(self.n, int) and self.n >= 1, f"n must be at least 1, got {self.n}")
+        _check(
+            isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+            f"max_tokens must be at least 1, got {self.max_tokens}",
+        )
+        _check(
+            0 <= self.min_tokens <= self.max_tokens,
+            f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}",
+        )
+        _check(self.temperature >= 0, f"temperature must be non-negative, got {self.temperature}")
+        _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        _check(
+            isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1),
+            f"top_k must be -1 (disabled) or at least 1, got {self.top_k}",
+        )
+        _check(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
+        _check(
+            self.repetition_penalty > 0,
+            f"repetition_penalty must be positive, got {self.repetition_penalty}",
+        )
+        _check(
+            -2 <= self.presence_penalty <= 2,
+            f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
+        )
+        _check(
+            -2 <= self.frequency_penalty <= 2,
+            f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
+        )
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(
+                value is None or (isinstance(value, int) and 0 <= value <= 20),
+                f"{name} must be in [0, 20], got {value}",
+            )
+        _check(
+            self.seed is None or isinstance(self.seed, int), f"seed must be an int, got {self.seed!r}"
+        )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)

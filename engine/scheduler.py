@@ -1,0 +1,214 @@
+"""Continuous batching: one scheduler for prefill, decode and everything between.
+
+Every step each request asks for ``num_tokens - num_computed_tokens`` more
+tokens; the scheduler grants what the token budget and the free blocks allow,
+running requests first (oldest first), then waiting ones in arrival order.
+When blocks run out, the newest running request is preempted: its blocks are
+freed and it recomputes later (tokens generated so far are kept).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from engine.config import SchedulerConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request, RequestStatus
+from engine.scheduler_output import ScheduledRequest, SchedulerOutput
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int):
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Blocks reserved, KV arriving from elsewhere; joins `waiting` when complete.
+        self.remote: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}
+
+    # ---- admission -------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def reserve_remote(self, request: Request) -> bool:
+        """Reserve blocks for a request whose first ``num_computed_tokens``
+        tokens will arrive as KV from a prefill worker. False if no room."""
+        num = request.num_computed_tokens
+        request.num_computed_tokens = 0
+        ok = self.kv.allocate_slots(request, num, cache_new_blocks=False)
+        request.num_computed_tokens = num
+        if ok:
+            request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+            self.requests[request.request_id] = request
+            self.remote[request.request_id] = request
+        return ok
+
+    def remote_kv_arrived(self, request_id: str) -> None:
+        """The reserved blocks hold their KV now: the request can decode."""
+        request = self.remote.pop(request_id)
+        self.kv.cache_blocks(request, request.num_computed_tokens)
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    # ---- one step --------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        out = SchedulerOutput()
+        now = time.monotonic()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            break  # the request itself was preempted: nothing after it fits either
+
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            if out.preempted:
+                break  # blocks are short: let running requests drain first
+            request = self.waiting[0]
+            hits, num_hit = [], 0
+            if request.num_computed_tokens == 0:
+                hits, num_hit = self.kv.get_computed_blocks(request)
+            start = request.num_computed_tokens + num_hit
+            num_new = min(request.num_tokens - start, budget)
+            if not self.kv.allocate_slots(request, num_new, hits):
+                break
+            self.waiting.popleft()
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+                request.num_cached_tokens = num_hit
+            request.num_computed_tokens = start
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, start, num_new))
+            budget -= num_new
+
+        # Single-token sequences first: the attention backend reads them as decodes.
+        out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
+        return out
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance progress after the model ran; append sampled tokens; finish
+        requests that hit a stop condition. Returns the requests that changed
+        (got a token or finished)."""
+        changed = []
+        for s in out.scheduled:
+            request = s.request
+            request.num_computed_tokens = s.end
+            if not s.sample:
+                continue
+            token = sampled[request.request_id]
+            request.append_token(token)
+            if request.first_token_time is None:
+                request.first_token_time = time.monotonic()
+            if request.pending_children:
+                self._fork_children(request)
+            self._check_stop(request, token)
+            changed.append(request)
+        for request in changed:
+            if request.finished:
+                self._remove_running(request)
+                self._release(request)
+        return changed
+
+    # ---- finishing ---------------------------------------------------------
+
+    def finish(self, request_id: str, status: RequestStatus, reason: str | None = None) -> None:
+        """Finish a request from outside (abort, or a stop string matched)."""
+        request = self.requests.get(request_id)
+        if request is None or request.finished:
+            return
+        for child in request.pending_children:
+            self.finish(child.request_id, status)
+        request.pending_children = []
+        request.status = status
+        request.stop_reason = reason
+        if request in self.running:
+            self._remove_running(request)
+        elif request_id in self.remote:
+            del self.remote[request_id]
+        else:
+            try:
+                self.waiting.remove(request)
+            except ValueError:
+                pass
+        self._release(request)
+
+    def release_held(self, request_id: str) -> None:
+        """Free the blocks of a finished request that held them (``hold_blocks``)."""
+        request = self.requests.pop(request_id, None)
+        if request is not None:
+            self.kv.free(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + len(self.remote)
+
+    # ---- internals -----------------------------------------------------------
+
+    def _check_stop(self, request: Request, token: int) -> None:
+        params = request.params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in request.eos_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return
+            if token in params.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = token
+                return
+        if (
+            request.num_output_tokens >= params.max_tokens
+            or request.num_tokens >= self.max_model_len
+        ):
+            request.status = RequestStatus.FINISHED_LENGTH
+
+    def _fork_children(self, parent: Request) -> None:
+        # Share the full blocks of the prompt, short of the block holding the
+        # last prompt token: each child computes that token itself for its
+        # own first sample, and never writes into a shared block.
+        shared = (parent.num_prompt_tokens - 1) // self.kv.block_size * self.kv.block_size
+        for child in reversed(parent.pending_children):
+            self.kv.fork(parent, child, shared)
+            self.requests[child.request_id] = child
+            self.waiting.appendleft(child)
+        parent.pending_children = []
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _remove_running(self, request: Request) -> None:
+        self.running.remove(request)
+
+    def _release(self, request: Request) -> None:
+        if request.hold_blocks:
+            return
+        self.kv.free(request)
+        self.requests.pop(request.request_id, None)

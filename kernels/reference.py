@@ -1,0 +1,155 @@
+"""Torch reference for every attention kernel: the one definition of the maths.
+
+The engine's CPU attention backend calls these functions directly; the Triton
+kernels are tested against them.
+
+Cache layout (per layer, one tensor for keys and one for values)::
+
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+
+A token's *slot* is ``block_id * block_size + offset_in_block``. A request's
+block table lists its block ids in token order, so token ``i`` of a request
+lives in block ``block_table[i // block_size]`` at offset ``i % block_size``.
+
+Batches are flattened without padding: the new tokens of all sequences are
+concatenated, and ``query_start_loc`` (``[num_seqs + 1]``, cumulative) says
+where each sequence's tokens begin. ``seq_lens`` counts every token a sequence
+attends to, cached ones included; its new tokens are its *last*
+``query_len`` positions, so the causal mask for query ``j`` of a sequence is
+``key_pos <= seq_len - query_len + j``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def store_kv(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int, -1 = do not store
+) -> None:
+    """Write each token's key and value into its cache slot."""
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    flat_k = k_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
+    flat_v = v_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
+    flat_k.index_copy_(0, slot_mapping.long(), key.to(k_cache.dtype))
+    flat_v.index_copy_(0, slot_mapping.long(), value.to(v_cache.dtype))
+
+
+def gather_kv(
+    cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_table: torch.Tensor,  # [num_blocks_of_seq] int
+    seq_len: int,
+) -> torch.Tensor:
+    """The first ``seq_len`` cached tokens of one sequence: [seq_len, kv_heads, dim]."""
+    num_blocks = (seq_len + cache.shape[1] - 1) // cache.shape[1]
+    blocks = cache.index_select(0, block_table[:num_blocks].long())
+    return blocks.flatten(0, 1)[:seq_len]
+
+
+def paged_decode_attention(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int
+    seq_lens: torch.Tensor,  # [num_seqs] int
+    scale: float,
+) -> torch.Tensor:
+    """One new query token per sequence against its whole cached context.
+
+    All sequences are gathered into one padded batch and computed with a
+    single masked softmax, so the cost per step does not grow with a Python
+    loop over sequences.
+    """
+    num_seqs, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
+    block_size = k_cache.shape[1]
+    max_len = int(seq_lens.max())
+    max_blocks = (max_len + block_size - 1) // block_size
+    table = block_tables[:, :max_blocks].long()
+    # [num_seqs, max_blocks * block_size, kv_heads, dim]
+    keys = k_cache[table].flatten(1, 2)[:, :max_len]
+    values = v_cache[table].flatten(1, 2)[:, :max_len]
+    group = num_heads // num_kv_heads
+    # [num_seqs, kv_heads, group, dim] x [num_seqs, kv_heads, dim, max_len]
+    q = query.view(num_seqs, num_kv_heads, group, head_dim).float()
+    scores = torch.matmul(q, keys.float().permute(0, 2, 3, 1)) * scale
+    positions = torch.arange(max_len, device=query.device)
+    pad = positions[None, :] >= seq_lens[:, None]  # [num_seqs, max_len]
+    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, values.float().transpose(1, 2))  # [S, kv, group, dim]
+    return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int, on the host
+    seq_lens: torch.Tensor,  # [num_seqs] int, on the host
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens against its cached
+    blocks and themselves (chunked prefill, prefix-cache hits, extends).
+
+    The new tokens' keys and values must already be in the cache.
+    """
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    out = torch.empty_like(query)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for i, seq_len in enumerate(lens):
+        start, end = starts[i], starts[i + 1]
+        q_len = end - start
+        if q_len == 0:
+            continue
+        keys = gather_kv(k_cache, block_tables[i], seq_len)
+        values = gather_kv(v_cache, block_tables[i], seq_len)
+        # [heads, q_len, dim], with kv heads repeated for grouped-query attention
+        q = query[start:end].transpose(0, 1).float()
+        k = keys.transpose(0, 1).float().repeat_interleave(num_heads // num_kv_heads, 0)
+        v = values.transpose(0, 1).float().repeat_interleave(num_heads // num_kv_heads, 0)
+        # Query j sits at absolute position seq_len - q_len + j.
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+        k_pos = torch.arange(seq_len, device=query.device)
+        mask = k_pos[None, :] <= q_pos[:, None]  # [q_len, seq_len]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        out[start:end] = o.transpose(0, 1).to(query.dtype)
+    return out
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``residual = x + residual; return norm(residual) * weight, residual``.
+
+    Computed in float32 like Hugging Face's Llama; returns the input dtype.
+    """
+    if residual is not None:
+        x = x + residual
+    residual = x
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * xf.to(x.dtype)), residual
+
+
+def apply_rotary(
+    x: torch.Tensor,  # [num_tokens, heads, head_dim]
+    cos: torch.Tensor,  # [num_tokens, head_dim // 2]
+    sin: torch.Tensor,
+) -> torch.Tensor:
+    """Rotate pairs (i, i + head_dim/2): the "rotate half" layout of HF Llama."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)

@@ -1,0 +1,107 @@
+"""Write a batch's new keys and values into their paged-cache slots.
+
+One program per token copies all of its kv heads, so a token's row lands in
+the cache with contiguous stores. Same semantics as ``reference.store_kv``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._checks import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_cache_pair,
+    check_last_dim_contiguous,
+    check_tensor,
+    next_power_of_2,
+)
+
+
+@triton.jit
+def _store_kv_kernel(
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cache_slot,  # block_size * num_kv_heads * head_dim: the cache is contiguous
+    stride_cache_head,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+):
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    heads = tl.arange(0, HEADS_PAD)[:, None]
+    dims = tl.arange(0, DIM_PAD)[None, :]
+    mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM)
+    # NOTE: a contiguous cache makes block * block_stride + offset * slot_stride
+    # equal to slot * slot_stride.
+    dst = slot * stride_cache_slot + heads * stride_cache_head + dims
+
+    k = tl.load(key_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
+    v = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
+    # Through float32: the interpreter converts bfloat16 only to and from float32.
+    tl.store(k_cache_ptr + dst, k.to(tl.float32).to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(tl.float32).to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int, -1 = do not store
+) -> None:
+    """Write each token's key and value into its cache slot (in place).
+
+    Slots must be below ``num_blocks * block_size``; that is not checked,
+    because checking would read the device tensor back to the host.
+    """
+    _, _, num_kv_heads, head_dim = check_cache_pair(k_cache, v_cache)
+    device = k_cache.device
+    check_tensor("key", key, ndim=3, dtypes=FLOAT_DTYPES, device=device)
+    check_tensor("value", value, ndim=3, dtypes=FLOAT_DTYPES, device=device)
+    check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=INDEX_DTYPES, device=device)
+    expected = (slot_mapping.shape[0], num_kv_heads, head_dim)
+    for name, t in (("key", key), ("value", value)):
+        if tuple(t.shape) != expected:
+            raise ValueError(
+                f"{name} has shape {tuple(t.shape)}, expected {expected} "
+                "(num_tokens from slot_mapping, heads and head_dim from the cache)"
+            )
+        check_last_dim_contiguous(name, t)
+    if not slot_mapping.is_contiguous():
+        raise ValueError("slot_mapping must be contiguous")
+    num_tokens = slot_mapping.shape[0]
+    if num_tokens == 0:
+        return
+    heads_pad, dim_pad = next_power_of_2(num_kv_heads), next_power_of_2(head_dim)
+    _store_kv_kernel[(num_tokens,)](
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        HEADS_PAD=heads_pad,
+        DIM_PAD=dim_pad,
+        num_warps=max(1, min(8, heads_pad * dim_pad // 512)),
+    )

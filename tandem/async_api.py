@@ -1,0 +1,16 @@
+"""``tandem.AsyncEngine``: the asyncio engine, built from vLLM-style arguments."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.async_engine import AsyncEngine as _AsyncEngine
+from engine.llm_engine import LLMEngine
+from tandem.llm import engine_config
+
+
+class AsyncEngine(_AsyncEngine):
+    """``async for out in engine.generate(prompt, params, request_id)``."""
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        super().__init__(LLMEngine(engine_config(model, **kwargs)))

@@ -1,0 +1,138 @@
+"""The offline API: ``LLM(...).generate(prompts, params)``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
+
+
+def engine_config(
+    model: str | None = None,
+    *,
+    dtype: str = "float32",
+    device: str = "cpu",
+    block_size: int = 16,
+    max_model_len: int | None = None,
+    max_num_seqs: int = 256,
+    max_num_batched_tokens: int = 2048,
+    enable_prefix_caching: bool = True,
+    seed: int = 0,
+    kv_cache_bytes: int = 2 << 30,
+    gpu_memory_utilization: float = 0.9,
+    num_blocks: int | None = None,
+    attention_backend: str = "auto",
+    max_n: int = 16,
+) -> EngineConfig:
+    """Build an EngineConfig from vLLM-style keyword arguments."""
+    return EngineConfig(
+        model=model,  # type: ignore[arg-type]  # None: the bundled default model
+        dtype=dtype,
+        device=device,
+        seed=seed,
+        attention_backend=attention_backend,
+        cache=CacheConfig(
+            block_size=block_size, kv_cache_bytes=kv_cache_bytes,
+            gpu_memory_utilization=gpu_memory_utilization, num_blocks=num_blocks,
+            enable_prefix_caching=enable_prefix_caching,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len, max_n=max_n,
+        ),
+    )
+
+
+class LLM:
+    """An engine in this process, for batch generation.
+
+    ``model`` is a directory (config.json + safetensors) or a ``.gguf`` file;
+    by default the bundled SmolLM2-135M-Instruct.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.engine = LLMEngine(engine_config(model, **kwargs))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """One finished output per prompt, in input order. Every prompt is
+        validated before any is queued."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if not prompts:
+            raise ValueError("prompts must not be empty")
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(
+                    f"got {len(params)} sampling params for {len(prompts)} prompts"
+                )
+        engine = self.engine
+        for prompt, p in zip(prompts, params):
+            engine.validate(engine.tokenize(prompt)[1], p)
+        ids = [f"llm-{next(self._ids)}" for _ in prompts]
+        for request_id, prompt, p in zip(ids, prompts, params):
+            engine.add_request(request_id, prompt, p)
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer")
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = [
+            tokenizer.encode(
+                tokenizer.apply_chat_template(c, add_generation_prompt), add_special_tokens=False
+            )
+            for c in conversations  # type: ignore[arg-type]
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm and len(ids) > 1:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(ids), desc="generating", unit="req")
+        try:
+            while len(done) < len(ids) and self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            self.engine.abort_request([i for i in ids if i not in done])
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [done[i] for i in ids]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -26,7 +27,7 @@ T = TypeVar("T")
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._ops: list[tuple[Callable[[LLMEngine], Any], asyncio.Future]] = []
+        self._ops: list[tuple[Callable[[LLMEngine], Any], asyncio.Future, bool]] = []
         self._ops_lock = threading.Lock()
         self._streams: dict[str, asyncio.Queue] = {}
         self._wake = asyncio.Event()
@@ -47,22 +48,38 @@ class AsyncEngine:
         """Yield incremental outputs until the request finishes. Leaving the
         loop early (or cancelling) aborts the request."""
         params = params or SamplingParams()
-        request_id = request_id or f"req-{id(object())}"
+        # NOTE: not id(object()): a freed temporary's id is reused at once, so
+        # two concurrent generates would get the same id.
+        request_id = request_id or f"req-{uuid.uuid4().hex}"
         prompt_text, token_ids = self.engine.tokenize(prompt)
         self.engine.validate(token_ids, params)
-        queue: asyncio.Queue = asyncio.Queue()
 
         def add(engine: LLMEngine) -> None:
             seqs = engine.make_sequences(request_id, token_ids, params)
             engine.outputs.add(request_id, prompt_text, seqs)
             engine.scheduler.add_request(seqs[0])
 
+        async for out in self.stream(request_id, add):
+            yield out
+
+    async def stream(
+        self, request_id: str, add: Callable[[LLMEngine], list[RequestOutput] | None]
+    ) -> AsyncIterator[RequestOutput]:
+        """Run ``add(engine)`` on the engine thread to start a request, then
+        yield its outputs until it finishes (``add`` may return outputs it
+        produced itself). Leaving early aborts the request."""
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
+        queue: asyncio.Queue = asyncio.Queue()
         # Registered before the add: the add's own step may already produce output.
         self._streams[request_id] = queue
         try:
-            await self.run(add)
+            await self.run(add, emits_outputs=True)
+        except Exception:
+            # The add itself failed (e.g. the id is in use): nothing landed, and
+            # an abort would hit the other request that holds this id.
+            self._streams.pop(request_id, None)
+            raise
         except BaseException:
             self._streams.pop(request_id, None)
             if not self._closed:  # cancelled mid-add: the add may still land
@@ -88,14 +105,16 @@ class AsyncEngine:
         outs = await self.run(lambda engine: engine.abort_request(request_id))
         self._dispatch(outs)
 
-    async def run(self, fn: Callable[[LLMEngine], T]) -> T:
-        """Run ``fn(engine)`` on the engine thread between two steps."""
+    async def run(self, fn: Callable[[LLMEngine], T], emits_outputs: bool = False) -> T:
+        """Run ``fn(engine)`` on the engine thread between two steps. With
+        ``emits_outputs``, ``fn`` returns RequestOutputs (or None) that are
+        dispatched before the outputs of the step that follows it."""
         if self._closed:
             raise RuntimeError("the engine is shut down")
         self._ensure_loop()
         future: asyncio.Future = asyncio.get_running_loop().create_future()
         with self._ops_lock:
-            self._ops.append((fn, future))
+            self._ops.append((fn, future, emits_outputs))
         self._wake.set()
         return await future
 
@@ -136,7 +155,7 @@ class AsyncEngine:
                 for queue in self._streams.values():
                     queue.put_nowait(RuntimeError(f"engine step failed: {exc}"))
                 continue
-            for (_, future), (ok, value) in zip(ops, results):
+            for (_, future, _), (ok, value) in zip(ops, results):
                 if future.done():
                     continue
                 if ok:
@@ -146,13 +165,18 @@ class AsyncEngine:
             self._dispatch(outputs)
 
     def _tick(self, ops) -> tuple[list[tuple[bool, Any]], list[RequestOutput]]:
-        results = []
-        for fn, _ in ops:
+        results, outputs = [], []
+        for fn, _, emits in ops:
             try:
-                results.append((True, fn(self.engine)))
+                value = fn(self.engine)
+                if emits:
+                    outputs.extend(value or [])
+                    value = None
+                results.append((True, value))
             except Exception as exc:
                 results.append((False, exc))
-        outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+        if self.engine.has_unfinished_requests():
+            outputs.extend(self.engine.step())
         return results, outputs
 
     def _abort_all(self) -> None:

@@ -10,6 +10,9 @@ from typing import Any
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
 _DTYPES = ("float32", "float16", "bfloat16")
+_REQUIRED_KEYS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+)
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,16 @@ class ModelConfig:
         archs = cfg.get("architectures") or []
         arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                                         "mistral": "MistralForCausalLM"}.get(cfg.get("model_type"), "?")
+        # NOTE: checked before any field is read: another family's config
+        # (GPT-2's n_embd, n_head) would fail with a KeyError instead.
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {arch!r}; "
+                f"Tandem supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        missing = [k for k in _REQUIRED_KEYS if k not in cfg]
+        if missing:
+            raise ValueError(f"config.json lacks {', '.join(missing)}")
         num_heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))

@@ -35,6 +35,12 @@ class IncrementalDetokenizer:
         self.num_emitted = 0  # characters of ``text`` already handed out
         self.stop_reason: str | None = None
 
+    def restart(self, token_ids: list[int]) -> None:
+        """Continue after ``token_ids`` whose text was handed out elsewhere."""
+        self.ids = list(token_ids[-6:])
+        self.prefix_offset = max(0, len(self.ids) - 5)
+        self.read_offset = len(self.ids)
+
     def add(self, token_id: int) -> None:
         """Decode one more token; sets ``stop_reason`` if a stop string matched."""
         if self.stop_reason is not None:

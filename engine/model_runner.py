@@ -114,6 +114,13 @@ class ModelRunner:
         if gen is None:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(seed + request.index)
+            # Tokens sampled elsewhere (a prefill worker's first token, the
+            # tokens of a migrated request) each used one draw: skip them, so
+            # the seed gives the same tokens wherever they are sampled.
+            for _ in range(request.num_output_tokens):
+                torch.empty(self.model_cfg.vocab_size, device=self.device).exponential_(
+                    generator=gen
+                )
             self.generators[request.request_id] = gen
         return gen
 

@@ -87,6 +87,14 @@ class OutputProcessor:
                 self._drop(group)
         return outputs, stopped
 
+    def skip_sent(self, request_id: str, num_tokens: int) -> None:
+        """The first ``num_tokens`` output tokens were sent by an earlier
+        attempt (a migrated request): output only what follows them."""
+        for comp in self.groups[request_id].completions:
+            comp.num_tokens_sent = comp.num_decoded = num_tokens
+            if comp.detok is not None:
+                comp.detok.restart(comp.request.token_ids)
+
     def abort(self, request_id: str) -> RequestOutput | None:
         group = self.groups.get(request_id)
         if group is None:

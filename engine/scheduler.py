@@ -55,6 +55,20 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
 
+    def start_remote(self, request_id: str, first_token: int) -> Request:
+        """A reserved request's KV arrived and the prefill worker sampled
+        ``first_token``: append it, and either finish (it ended the request)
+        or queue the request for decoding."""
+        request = self.remote[request_id]
+        request.append_token(first_token)
+        self.check_stop(request, first_token)
+        if request.finished:
+            del self.remote[request_id]
+            self._release(request)
+        else:
+            self.remote_kv_arrived(request_id)
+        return request
+
     # ---- one step --------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
@@ -120,7 +134,7 @@ class Scheduler:
                 request.first_token_time = time.monotonic()
             if request.pending_children:
                 self._fork_children(request)
-            self._check_stop(request, token)
+            self.check_stop(request, token)
             changed.append(request)
         for request in changed:
             if request.finished:
@@ -133,8 +147,14 @@ class Scheduler:
     def finish(self, request_id: str, status: RequestStatus, reason: str | None = None) -> None:
         """Finish a request from outside (abort, or a stop string matched)."""
         request = self.requests.get(request_id)
-        if request is None or request.finished:
+        if request is None:
             return
+        if request.finished:  # finished before, its blocks held: an abort frees them
+            if status is RequestStatus.FINISHED_ABORTED:
+                self.release_held(request_id)
+            return
+        if status is RequestStatus.FINISHED_ABORTED:
+            request.hold_blocks = False
         for child in request.pending_children:
             self.finish(child.request_id, status)
         request.pending_children = []
@@ -170,7 +190,8 @@ class Scheduler:
 
     # ---- internals -----------------------------------------------------------
 
-    def _check_stop(self, request: Request, token: int) -> None:
+    def check_stop(self, request: Request, token: int) -> None:
+        """Finish ``request`` if ``token`` (just appended) ends it."""
         params = request.params
         if request.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token in request.eos_token_ids:

@@ -22,6 +22,7 @@ Same semantics as ``reference.paged_decode_attention``; seq_lens must be >= 1.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -41,7 +42,7 @@ from kernels._checks import (
 
 _MIN_SPLIT_TOKENS = 256  # do not split the context finer than this
 _MAX_SPLITS = 32
-_CPU_PROGRAM_TARGET = 8  # interpreter: keep grids small
+_HOST_SMS = 4  # the CPU interpreter "has" 4 SMs, which keeps its grids small
 
 
 @triton.jit
@@ -180,10 +181,11 @@ def _merge_splits_kernel(
     )
 
 
+@functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
-    return _CPU_PROGRAM_TARGET // 2
+    return _HOST_SMS
 
 
 def choose_num_splits(
@@ -251,7 +253,7 @@ def paged_decode_attention(
         return out
 
     group = num_heads // num_kv_heads
-    dim_pad = next_power_of_2(head_dim)
+    dim_pad = max(16, next_power_of_2(head_dim))  # tl.dot needs K >= 16
     split = num_splits > 1
     if split:
         part_out = torch.empty(

@@ -145,7 +145,8 @@ def _prefill_kernel(
     dim_ok = dims < HEAD_DIM
     io_mask = row_ok[:, None] & dim_ok[None, :]
 
-    q_ptrs = q_ptr + (q_start + tok)[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :]
+    q_off = (q_start + tok)[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :]
+    q_ptrs = q_ptr + q_off
     q = tl.load(q_ptrs, mask=io_mask, other=0.0)
     if not LOWP_DOT:
         q = q.to(tl.float32)
@@ -174,9 +175,8 @@ def _prefill_kernel(
         )
 
     o = acc / l_i[:, None]
-    o_ptrs = (
-        out_ptr + (q_start + tok)[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
-    )
+    o_off = (q_start + tok)[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
+    o_ptrs = out_ptr + o_off
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
@@ -273,7 +273,7 @@ def paged_prefill_attention(
         GROUP=group,
         GROUP_PAD=group_pad,
         HEAD_DIM=head_dim,
-        DIM_PAD=next_power_of_2(head_dim),
+        DIM_PAD=max(16, next_power_of_2(head_dim)),  # tl.dot needs K >= 16
         BLOCK_SIZE=block_size,
         BLOCK_M=block_m,
         BLOCK_N=block_n,

@@ -103,7 +103,7 @@ def paged_prefill_attention(
 
     The new tokens' keys and values must already be in the cache.
     """
-    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_heads = query.shape[1]
     num_kv_heads = k_cache.shape[2]
     out = torch.empty_like(query)
     starts = query_start_loc.tolist()

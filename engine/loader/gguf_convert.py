@@ -23,7 +23,7 @@ import shutil
 import struct
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -84,6 +84,8 @@ _BIAS_NAMES = {
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
 }
+# (HF name, shape, a function that dequantizes it): tensors are produced one at a time.
+_Entry = tuple[str, tuple[int, ...], Callable[[], np.ndarray]]
 # Llama 3.x stores its rope scaling as per-dimension factors; it becomes config, not a weight.
 _ROPE_FREQS = "rope_freqs.weight"
 
@@ -147,7 +149,10 @@ def _check_is_gguf(path: Path) -> None:
 
 
 def _convert(path: Path, out: Path) -> None:
-    reader = GGUFReader(path)
+    try:
+        reader = GGUFReader(path)
+    except ValueError as e:  # the reader's own messages are about numpy views, not the file
+        raise ValueError(f"{path}: cannot read GGUF (truncated or corrupt?): {e}") from e
     meta = {
         name: field.contents()
         for name, field in reader.fields.items()
@@ -182,7 +187,7 @@ def _convert(path: Path, out: Path) -> None:
     }
     _write_json(out / "tokenizer_config.json", tokenizer_config)
     _write_json(out / "generation_config.json", generation_config)
-    # Written last: its presence is what marks a finished conversion.
+    # Written last, so even a copy of a half-converted directory never looks complete.
     _write_json(out / "config.json", config)
 
 
@@ -238,7 +243,7 @@ def _model_config(
 
 
 def _rope_scaling(
-    get: Any, rope_freqs: ReaderTensor | None, head_dim: int, theta: float
+    get: Callable[..., Any], rope_freqs: ReaderTensor | None, head_dim: int, theta: float
 ) -> dict[str, Any] | None:
     kind = get("rope.scaling.type", "none")
     if rope_freqs is not None:
@@ -274,26 +279,24 @@ def _llama3_rope_scaling(freqs: np.ndarray, head_dim: int, theta: float) -> dict
     Llama 3.1/3.2/3.3 release uses low=1, high=4, original=8192 and only varies `factor`, which is
     the largest stored value; we check that guess reproduces the stored factors exactly.
     """
-    guess = {
-        "rope_type": "llama3",
-        "factor": _f32(freqs.max()),
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-    }
+    factor, low, high, original = float(freqs.max()), 1.0, 4.0, 8192
     inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     wavelen = 2 * np.pi / inv_freq
-    orig, low, high, factor = (guess[k] for k in (
-        "original_max_position_embeddings", "low_freq_factor", "high_freq_factor", "factor"
-    ))  # fmt: skip
-    smooth = (orig / wavelen - low) / (high - low)
+    smooth = (original / wavelen - low) / (high - low)
     expected = np.where(
-        wavelen < orig / high, 1.0,
-        np.where(wavelen > orig / low, factor, 1 / ((1 - smooth) / factor + smooth)),
-    )  # fmt: skip
+        wavelen < original / high,
+        1.0,
+        np.where(wavelen > original / low, factor, 1 / ((1 - smooth) / factor + smooth)),
+    )
     if expected.shape != freqs.shape or not np.allclose(expected, freqs, rtol=1e-4):
         raise ValueError("rope_freqs does not match Llama 3 rope scaling; not supported")
-    return guess
+    return {
+        "rope_type": "llama3",
+        "factor": _f32(factor),
+        "low_freq_factor": low,
+        "high_freq_factor": high,
+        "original_max_position_embeddings": original,
+    }
 
 
 def _hf_names(
@@ -318,6 +321,11 @@ def _hf_names(
             names[name] = f"model.layers.{block}.{layer_names[rest]}"
             continue
         raise ValueError(f"unexpected tensor {name!r} for architecture {arch.model_type}")
+    required = {"model.embed_tokens.weight", "model.norm.weight"} | {
+        f"model.layers.{i}.{hf_name}" for i in range(num_layers) for hf_name in layer_names.values()
+    }
+    if missing := sorted(required - set(names.values())):
+        raise ValueError(f"GGUF lacks tensors for {', '.join(missing[:5])}")
     return names
 
 
@@ -326,7 +334,7 @@ def _weights(
     names: dict[str, str],
     arch: _Architecture,
     config: dict[str, Any],
-) -> Iterable[tuple[str, tuple[int, ...], Any]]:
+) -> Iterable[_Entry]:
     """(HF name, shape, loader) triples; the loaders run one at a time while writing."""
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
 
@@ -364,7 +372,7 @@ def _dequantized(tensor: ReaderTensor) -> np.ndarray:
     return dequantize(tensor.data, tensor.tensor_type).reshape(_shape(tensor))
 
 
-def _write_safetensors(path: Path, entries: Iterable[tuple[str, tuple[int, ...], Any]]) -> None:
+def _write_safetensors(path: Path, entries: Iterable[_Entry]) -> None:
     """Write float32 tensors in safetensors format, holding one tensor in memory at a time."""
     entries = list(entries)
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}

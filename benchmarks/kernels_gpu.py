@@ -1,0 +1,307 @@
+"""GPU benchmark of the paged attention kernels against dense SDPA.
+
+    python benchmarks/kernels_gpu.py [--out kernels_gpu.json] [--peak-bw B/s] [--peak-tflops F/s]
+
+Llama-3-8B attention shapes (32 query heads, 8 kv heads, head dim 128,
+bfloat16, 16-token cache blocks, shuffled block tables). Decode is reported
+as achieved memory bandwidth, bytes of K, V and q read over kernel time;
+prefill as TFLOP/s of the causal attention it computes. Both are set beside
+torch.nn.functional.scaled_dot_product_attention on the same data laid out
+densely, and as a fraction of the device's peak. Needs CUDA; downloads
+nothing; a few minutes on an H100/H200.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+DTYPE = torch.bfloat16
+DECODE_BATCHES = [1, 16, 64, 256]
+DECODE_CONTEXTS = [512, 2048, 8192]
+# (sequences, cached tokens each, new tokens each)
+PREFILL_CASES = [(1, 0, 8192), (4, 0, 2048), (16, 0, 512), (4, 2048, 512)]
+TARGET = (64, 2048, 0.70)  # decode batch, context, wanted fraction of peak bandwidth
+
+# Substring of torch.cuda.get_device_name() -> (HBM bytes/s, dense bf16 FLOP/s).
+# More specific names first.
+PEAKS = [
+    ("H200", 4.8e12, 989e12),
+    ("H100 NVL", 3.9e12, 835e12),
+    ("H100 PCIe", 2.0e12, 756e12),
+    ("H100", 3.35e12, 989e12),  # SXM, "NVIDIA H100 80GB HBM3"
+    ("GH200", 4.0e12, 989e12),
+    ("A100-SXM4-80GB", 2.039e12, 312e12),
+    ("A100 80GB PCIe", 1.935e12, 312e12),
+    ("A100", 1.555e12, 312e12),  # 40GB
+    ("L40S", 0.864e12, 362e12),
+    ("L4", 0.3e12, 121e12),
+    ("A10G", 0.6e12, 70e12),
+    ("RTX 4090", 1.008e12, 165e12),
+]
+
+
+def device_peaks(name: str) -> tuple[float | None, float | None]:
+    for key, bw, flops in PEAKS:
+        if key in name:
+            return bw, flops
+    return None, None
+
+
+def time_ms(fn) -> float:
+    import triton.testing
+
+    # do_bench clears the L2 cache between runs and times with CUDA events.
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def paged_cache(seq_lens: list[int], device: str):
+    """Random K/V caches and shuffled block tables holding ``seq_lens`` tokens."""
+    blocks = [math.ceil(n / BLOCK_SIZE) for n in seq_lens]
+    total = sum(blocks)
+    shape = (total, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(shape, dtype=DTYPE, device=device)
+    v_cache = torch.randn(shape, dtype=DTYPE, device=device)
+    order = torch.randperm(total, device=device).to(torch.int32)
+    table = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32, device=device)
+    taken = 0
+    for i, nb in enumerate(blocks):
+        table[i, :nb] = order[taken : taken + nb]
+        taken += nb
+    return k_cache, v_cache, table
+
+
+def dense_kv(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` tokens of each row of ``table``: [seqs, kv_heads, length, dim]."""
+    gathered = cache[table.long()].flatten(1, 2)[:, :length]  # [seqs, tokens, kv, dim]
+    return gathered.transpose(1, 2).contiguous()
+
+
+def bench_decode(
+    batch: int, ctx: int, peak_bw: float | None, device: str, with_sdpa: bool = True, **launch
+) -> dict:
+    from kernels.decode_attention import choose_num_splits, paged_decode_attention
+
+    k_cache, v_cache, table = paged_cache([ctx] * batch, device)
+    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+    query = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
+    out = torch.empty_like(query)
+    scale = HEAD_DIM**-0.5
+
+    def triton_fn():
+        paged_decode_attention(
+            query, k_cache, v_cache, table, seq_lens, scale, max_seq_len=ctx, out=out, **launch
+        )
+
+    kv_bytes = 2 * batch * ctx * NUM_KV_HEADS * HEAD_DIM * k_cache.element_size()
+    read_bytes = kv_bytes + query.numel() * query.element_size()
+    t_triton = time_ms(triton_fn)
+    splits = launch.get("num_splits") or choose_num_splits(
+        batch, NUM_KV_HEADS, ctx, torch.device(device)
+    )
+    row = {
+        "batch": batch,
+        "context": ctx,
+        "num_splits": splits,
+        "block_n": launch.get("block_n"),
+        "bytes_read": read_bytes,
+        "triton_ms": t_triton,
+        "triton_bw": read_bytes / (t_triton * 1e-3),
+    }
+    row["triton_frac_peak"] = row["triton_bw"] / peak_bw if peak_bw else None
+    if not with_sdpa:
+        return row
+
+    q_dense = query.unsqueeze(2)  # [batch, heads, 1, dim]
+    k_dense = dense_kv(k_cache, table, ctx)
+    v_dense = dense_kv(v_cache, table, ctx)
+
+    def sdpa_fn():
+        return F.scaled_dot_product_attention(q_dense, k_dense, v_dense, scale=scale, enable_gqa=True)
+
+    row.update(_bench_sdpa(sdpa_fn, read_bytes, peak_bw, "bw"))
+    if row.get("sdpa_ms") is not None:
+        triton_fn()
+        ref = sdpa_fn().squeeze(2)
+        row["max_abs_diff_vs_sdpa"] = (out.float() - ref.float()).abs().max().item()
+    return row
+
+
+def _bench_sdpa(fn, work: float, peak: float | None, unit: str) -> dict:
+    try:
+        fn()
+        t = time_ms(fn)
+    except Exception as e:  # e.g. no SDPA kernel for this case in this torch build
+        return {"sdpa_ms": None, "sdpa_error": str(e).splitlines()[0][:200]}
+    rate = work / (t * 1e-3)
+    return {"sdpa_ms": t, f"sdpa_{unit}": rate, "sdpa_frac_peak": rate / peak if peak else None}
+
+
+def bench_prefill(
+    num_seqs: int, cached: int, new: int, peak_flops: float | None, device: str
+) -> dict:
+    from kernels.prefill_attention import paged_prefill_attention
+
+    seq_len = cached + new
+    k_cache, v_cache, table = paged_cache([seq_len] * num_seqs, device)
+    seq_lens = torch.full((num_seqs,), seq_len, dtype=torch.int32, device=device)
+    query_start_loc = torch.arange(
+        0, (num_seqs + 1) * new, new, dtype=torch.int32, device=device
+    )
+    query = torch.randn(num_seqs * new, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
+    out = torch.empty_like(query)
+    scale = HEAD_DIM**-0.5
+
+    def triton_fn():
+        paged_prefill_attention(
+            query, k_cache, v_cache, table, query_start_loc, seq_lens, scale, new, out=out
+        )
+
+    # New token j sees cached + j + 1 keys; QK^T and PV are 2 * dim FLOPs per key each.
+    keys_seen = new * cached + new * (new + 1) // 2
+    flops = 4 * HEAD_DIM * NUM_HEADS * num_seqs * keys_seen
+    t_triton = time_ms(triton_fn)
+    row = {
+        "num_seqs": num_seqs,
+        "cached": cached,
+        "new": new,
+        "flops": flops,
+        "triton_ms": t_triton,
+        "triton_flops": flops / (t_triton * 1e-3),
+    }
+    row["triton_frac_peak"] = row["triton_flops"] / peak_flops if peak_flops else None
+
+    k_dense = dense_kv(k_cache, table, seq_len)
+    v_dense = dense_kv(v_cache, table, seq_len)
+    q_dense = query.view(num_seqs, new, NUM_HEADS, HEAD_DIM).transpose(1, 2)
+    if cached == 0:
+        mask, causal = None, True
+    else:  # new tokens are the last positions: causal aligned to the bottom right
+        from torch.nn.attention.bias import causal_lower_right
+
+        mask, causal = causal_lower_right(new, seq_len), False
+
+    def sdpa_fn():
+        return F.scaled_dot_product_attention(
+            q_dense, k_dense, v_dense, attn_mask=mask, is_causal=causal, scale=scale,
+            enable_gqa=True,
+        )
+
+    row.update(_bench_sdpa(sdpa_fn, flops, peak_flops, "flops"))
+    if row.get("sdpa_ms") is not None:
+        ref = sdpa_fn().transpose(1, 2).reshape_as(out)
+        triton_fn()
+        row["max_abs_diff_vs_sdpa"] = (out.float() - ref.float()).abs().max().item()
+    return row
+
+
+def _fmt(value, scale=1.0, digits=1, pct=False) -> str:
+    if value is None:
+        return "-"
+    return f"{100 * value:.0f}%" if pct else f"{value / scale:.{digits}f}"
+
+
+def print_tables(result: dict) -> None:
+    print(f"\n{result['device']}  peak {_fmt(result['peak_bw'], 1e12, 2)} TB/s, "
+          f"{_fmt(result['peak_tflops'], 1e12, 0)} TFLOP/s")
+    print("\ndecode: GB/s of K+V+q read (fraction of peak)")
+    print(f"{'batch':>6} {'ctx':>6} {'splits':>6} {'triton us':>10} {'GB/s':>7} {'peak':>5}"
+          f" {'sdpa us':>9} {'GB/s':>7} {'peak':>5} {'max|diff|':>9}")
+    for r in result["decode"]:
+        print(f"{r['batch']:>6} {r['context']:>6} {r['num_splits']:>6}"
+              f" {_fmt(r['triton_ms'], 1e-3):>10} {_fmt(r['triton_bw'], 1e9, 0):>7}"
+              f" {_fmt(r['triton_frac_peak'], pct=True):>5}"
+              f" {_fmt(r.get('sdpa_ms'), 1e-3):>9} {_fmt(r.get('sdpa_bw'), 1e9, 0):>7}"
+              f" {_fmt(r.get('sdpa_frac_peak'), pct=True):>5}"
+              f" {_fmt(r.get('max_abs_diff_vs_sdpa'), digits=4):>9}")
+    print("\ndecode tiles at the target shape (batch 64, context 2048)")
+    for r in result["decode_tiles"]:
+        print(f"  block_n {r['block_n']:>4} splits {r['num_splits']:>2}:"
+              f" {_fmt(r['triton_bw'], 1e9, 0)} GB/s ({_fmt(r['triton_frac_peak'], pct=True)})")
+    print("\nprefill: TFLOP/s of causal attention (fraction of peak)")
+    print(f"{'seqs':>5} {'cached':>7} {'new':>6} {'triton ms':>10} {'TFLOP/s':>8} {'peak':>5}"
+          f" {'sdpa ms':>8} {'TFLOP/s':>8} {'peak':>5} {'max|diff|':>9}")
+    for r in result["prefill"]:
+        print(f"{r['num_seqs']:>5} {r['cached']:>7} {r['new']:>6}"
+              f" {_fmt(r['triton_ms'], digits=3):>10} {_fmt(r['triton_flops'], 1e12):>8}"
+              f" {_fmt(r['triton_frac_peak'], pct=True):>5}"
+              f" {_fmt(r.get('sdpa_ms'), digits=3):>8} {_fmt(r.get('sdpa_flops'), 1e12):>8}"
+              f" {_fmt(r.get('sdpa_frac_peak'), pct=True):>5}"
+              f" {_fmt(r.get('max_abs_diff_vs_sdpa'), digits=4):>9}")
+    batch, ctx, wanted = TARGET
+    hit = next(r for r in result["decode"] if r["batch"] == batch and r["context"] == ctx)
+    if hit["triton_frac_peak"] is not None:
+        verdict = "meets" if hit["triton_frac_peak"] >= wanted else "MISSES"
+        print(f"\ndecode batch {batch} x {ctx}: {_fmt(hit['triton_frac_peak'], pct=True)}"
+              f" of peak bandwidth, {verdict} the {wanted:.0%} target")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="kernels_gpu.json", help="JSON results file")
+    parser.add_argument("--peak-bw", type=float, help="device peak memory bandwidth, bytes/s")
+    parser.add_argument("--peak-tflops", type=float, help="device peak bf16 dense FLOP/s")
+    args = parser.parse_args(argv)
+
+    if not torch.cuda.is_available():
+        raise SystemExit("kernels_gpu.py needs a CUDA GPU, and torch sees none; nothing was run.")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("TRITON_INTERPRET=1 is set: unset it to benchmark compiled kernels.")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
+    import triton
+
+    device = "cuda"
+    name = torch.cuda.get_device_name()
+    known_bw, known_flops = device_peaks(name)
+    peak_bw = args.peak_bw or known_bw
+    peak_flops = args.peak_tflops or known_flops
+    if peak_bw is None or peak_flops is None:
+        print(f"no known peaks for {name!r}: pass --peak-bw / --peak-tflops for ratios")
+    torch.manual_seed(0)
+    result = {
+        "device": name,
+        "sm_count": torch.cuda.get_device_properties(0).multi_processor_count,
+        "peak_bw": peak_bw,
+        "peak_tflops": peak_flops,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "shapes": {"num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
+                   "block_size": BLOCK_SIZE, "dtype": str(DTYPE)},
+        "decode": [],
+        "decode_tiles": [],
+        "prefill": [],
+    }
+    for batch in DECODE_BATCHES:
+        for ctx in DECODE_CONTEXTS:
+            result["decode"].append(bench_decode(batch, ctx, peak_bw, device))
+            print(f"decode batch {batch} ctx {ctx} done", flush=True)
+            torch.cuda.empty_cache()
+    batch, ctx, _ = TARGET
+    for block_n in (32, 64, 128):
+        for num_splits in (1, 2, 4):
+            row = bench_decode(
+                batch, ctx, peak_bw, device, False, block_n=block_n, num_splits=num_splits
+            )
+            result["decode_tiles"].append(row)
+    torch.cuda.empty_cache()
+    for case in PREFILL_CASES:
+        result["prefill"].append(bench_prefill(*case, peak_flops, device))
+        print(f"prefill {case} done", flush=True)
+        torch.cuda.empty_cache()
+
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print_tables(result)
+    print(f"\nwrote {args.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

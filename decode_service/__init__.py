@@ -1,0 +1,1 @@
+"""Decode worker: continuous batching over requests whose prompt KV arrived."""

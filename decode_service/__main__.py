@@ -1,0 +1,15 @@
+"""python -m decode_service --model ... --port ... [--role decode|both]"""
+
+from __future__ import annotations
+
+from decode_service.worker import DecodeWorker
+from worker.main import run
+
+
+def main(argv: list[str] | None = None) -> None:
+    run(lambda engine, wid, addr, args: DecodeWorker(engine, wid, addr, role=args.role),
+        "Tandem decode worker", ["decode", "both"], argv)
+
+
+if __name__ == "__main__":
+    main()

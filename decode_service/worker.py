@@ -1,0 +1,213 @@
+"""The decode worker: reserves blocks, receives prompt KV, runs continuous
+batching over requests whose KV arrived, streams tokens.
+
+With role "both" it also runs whole requests itself (the colocated
+baseline): a Decode call without a first token is an ordinary request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.request import RequestStatus
+from kv_transfer.receiver import KVReceiver
+from rpc.convert import logprobs_from_proto, params_from_proto
+from rpc.errors import Fenced, NotFound, Overloaded
+from rpc.protos import worker_pb2
+from worker.base import WorkerBase
+from worker.outputs import prompt_logprobs_to_proto, to_chunk
+
+logger = logging.getLogger("decode")
+
+DEFAULT_LEASE_MS = 30_000
+
+
+class DecodeWorker(WorkerBase):
+    def __init__(self, engine: LLMEngine, worker_id: str, address: str, role: str = "decode",
+                 **kwargs) -> None:
+        self.role = role
+        super().__init__(engine, worker_id, address, **kwargs)
+        self.receiver = KVReceiver(self.io, self.layout, release=self._free_reservation_soon)
+        self.receiver.on_transfer.append(
+            lambda t, n, s, ok: self.metrics.observe_transfer(t, "recv", n, s, ok)
+        )
+        self.leases: dict[str, float] = {}  # request id -> monotonic expiry
+        self._reaper: asyncio.Task | None = None
+
+    def transports(self) -> list[str]:
+        return ["grpc", "torch"]
+
+    # ---- reservations -------------------------------------------------------------
+
+    async def reserve(self, req: worker_pb2.ReserveRequest) -> worker_pb2.Ticket:
+        self.check_accepting()
+        self._start_reaper()
+        params = params_from_proto(req.params)
+        if params.n != 1:
+            raise ValueError("a reservation is for one sequence (n=1); the gateway fans out n")
+        tokens = list(req.prompt_token_ids)
+        self.engine.validate(tokens, params)
+        request_id = req.request_id
+
+        def op(engine: LLMEngine) -> list[int] | None:
+            seq = engine.make_sequences(request_id, tokens, params)[0]
+            seq.num_computed_tokens = len(tokens)
+            if not engine.scheduler.reserve_remote(seq):
+                return None
+            engine.outputs.add(request_id, None, [seq])
+            return list(seq.block_ids)
+
+        block_ids = await self.aengine.run(op)
+        if block_ids is None:
+            raise Overloaded(
+                f"no room for {len(tokens)} prompt tokens "
+                f"({self.engine.kv.num_free_blocks} blocks free)"
+            )
+        lease_ms = req.lease_ms or DEFAULT_LEASE_MS
+        self.leases[request_id] = time.monotonic() + lease_ms / 1000
+        self.receiver.expect(request_id, block_ids, req.attempt)
+        self.metrics.reservations_held.set(len(self.leases))
+        return worker_pb2.Ticket(
+            request_id=request_id, decode_worker_id=self.worker_id, decode_address=self.address,
+            block_ids=block_ids, lease_expiry_unix_ms=int((time.time() * 1000) + lease_ms),
+            attempt=req.attempt, layout=self.layout.to_proto(),
+        )
+
+    async def receive_grpc(self, chunks) -> int:
+        return await self.receiver.receive_grpc(chunks)
+
+    async def receive_torch(self, req: worker_pb2.ExpectKVRequest) -> int:
+        return await self.receiver.receive_torch(req)
+
+    async def open_group(self, req: worker_pb2.OpenTransferGroupRequest) -> None:
+        await self.receiver.open_group(req)
+
+    # ---- decoding -------------------------------------------------------------------
+
+    async def decode(self, req: worker_pb2.DecodeRequest) -> AsyncIterator[worker_pb2.DecodeChunk]:
+        request_id = req.request_id
+        if req.HasField("first_token_id"):
+            add = self._continue_reserved(req)
+        else:
+            self.check_accepting()
+            if self.role != "both" and not req.output_token_ids:
+                raise ValueError(
+                    f"decode worker {self.worker_id} needs a reservation with the prompt's KV; "
+                    "only a 'both' worker runs prompts itself"
+                )
+            add = self._start_local(req)
+        start = time.monotonic()
+        last: float | None = None
+        self.inflight.add(request_id)
+        try:
+            first = True
+            async for out in self.aengine.stream(request_id, add):
+                comp = out.outputs[0]
+                now = time.monotonic()
+                if comp.delta_token_ids:
+                    if last is None:
+                        self.metrics.ttft.observe(now - start)
+                    else:
+                        self.metrics.itl.observe((now - last) / len(comp.delta_token_ids))
+                    last = now
+                chunk = to_chunk(out, comp)
+                if first:
+                    chunk.prompt_logprobs.extend(prompt_logprobs_to_proto(out))
+                    first = False
+                if comp.finished:
+                    self.metrics.observe_finished(len(out.prompt_token_ids),
+                                                  len(comp.token_ids), comp.finish_reason or "",
+                                                  now - start)
+                yield chunk
+        finally:
+            self.inflight.discard(request_id)
+
+    def _continue_reserved(self, req: worker_pb2.DecodeRequest):
+        request_id = req.request_id
+        if not self.receiver.is_complete(request_id):
+            if request_id not in self.receiver.reservations:
+                raise NotFound(f"unknown request {request_id!r} (never reserved, expired or "
+                               "aborted)")
+            raise NotFound(f"the KV of {request_id!r} has not arrived")
+        if self.receiver.reservations[request_id].attempt != req.attempt:
+            raise Fenced(f"decode for attempt {req.attempt} of {request_id!r}")
+        self.receiver.forget(request_id)
+        self.leases.pop(request_id, None)
+        self.metrics.reservations_held.set(len(self.leases))
+        first = req.first_token_id
+        first_lp = logprobs_from_proto(req.first_logprobs) if req.HasField("first_logprobs") \
+            else None
+
+        def add(engine: LLMEngine) -> list[RequestOutput]:
+            seq = engine.scheduler.remote.get(request_id)
+            if seq is None:
+                raise NotFound(f"request {request_id!r} is no longer reserved")
+            if first_lp is not None and seq.params.logprobs is not None:
+                seq.logprobs.append(first_lp)
+            seq.first_token_time = time.monotonic()
+            engine.scheduler.start_remote(request_id, first)
+            outputs, stopped = engine.outputs.process([seq])
+            for sid in stopped:
+                engine.scheduler.finish(sid, RequestStatus.FINISHED_STOPPED)
+            return outputs
+
+        return add
+
+    def _start_local(self, req: worker_pb2.DecodeRequest):
+        """A whole request on this worker: colocated, or a migration that
+        recomputes prompt + tokens already sent."""
+        params = params_from_proto(req.params)
+        if params.n != 1:
+            raise ValueError("Decode serves one sequence (n=1); the gateway fans out n")
+        prompt = list(req.prompt_token_ids)
+        already = list(req.output_token_ids)
+        if len(already) >= params.max_tokens:
+            raise ValueError("the request already has max_tokens tokens")
+        self.engine.validate(prompt, params)
+        request_id = req.request_id
+
+        def add(engine: LLMEngine) -> None:
+            seqs = engine.make_sequences(request_id, prompt, params)
+            seq = seqs[0]
+            seq.token_ids.extend(already)
+            engine.outputs.add(request_id, None, seqs)
+            engine.outputs.skip_sent(request_id, len(already))
+            engine.scheduler.add_request(seq)
+
+        return add
+
+    # ---- leases and aborts ------------------------------------------------------------
+
+    async def abort(self, request_id: str) -> bool:
+        if self.leases.pop(request_id, None) is not None:
+            self.metrics.reservations_held.set(len(self.leases))
+        if not self.receiver.cancel(request_id):
+            return True  # a transfer is writing the blocks: freed when it stops
+        return await super().abort(request_id)
+
+    def _free_reservation_soon(self, request_id: str) -> None:
+        asyncio.ensure_future(self.aengine.abort(request_id))
+
+    def _start_reaper(self) -> None:
+        if self._reaper is None or self._reaper.done():
+            self._reaper = asyncio.ensure_future(self._reap_leases())
+
+    async def _reap_leases(self) -> None:
+        while True:
+            await asyncio.sleep(0.2)
+            now = time.monotonic()
+            for request_id, expiry in list(self.leases.items()):
+                if expiry <= now:
+                    logger.info("lease of %s expired: freeing its blocks", request_id)
+                    self.metrics.reservations_expired.inc()
+                    await self.abort(request_id)
+
+    async def close(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+        await super().close()

@@ -1,0 +1,76 @@
+"""Reading and writing whole KV blocks of the paged cache as bytes."""
+
+from __future__ import annotations
+
+import torch
+
+from kv_transfer.layout import KVLayout, model_fingerprint
+
+
+class BlockIO:
+    """Views one worker's KV cache (a list of per-layer ``(k, v)`` tensors)
+    as blocks to copy out and in. Callers only touch blocks that no running
+    request reads or writes: held by a finished prefill, or reserved and not
+    yet started on a decode worker."""
+
+    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.kv_caches = kv_caches
+
+    @property
+    def device(self) -> torch.device:
+        return self.kv_caches[0][0].device
+
+    def read(self, block_ids: list[int]) -> torch.Tensor:
+        """All layers: ``[num_layers, 2, n, block_size, kv_heads, head_dim]``."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        return torch.stack([torch.stack((k[idx], v[idx])) for k, v in self.kv_caches])
+
+    def read_layer(self, layer: int, block_ids: list[int]) -> torch.Tensor:
+        """One layer: ``[2, n, block_size, kv_heads, head_dim]``, contiguous."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        k, v = self.kv_caches[layer]
+        return torch.stack((k[idx], v[idx]))
+
+    def write(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Inverse of ``read``."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        for layer, (k, v) in enumerate(self.kv_caches):
+            k[idx] = data[layer, 0]
+            v[idx] = data[layer, 1]
+
+    def write_layer(self, layer: int, block_ids: list[int], data: torch.Tensor) -> None:
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        k, v = self.kv_caches[layer]
+        k[idx] = data[0]
+        v[idx] = data[1]
+
+    def empty(self, num_layers: int | None, num_blocks: int) -> torch.Tensor:
+        k = self.kv_caches[0][0]
+        shape = (2, num_blocks, *k.shape[1:])
+        if num_layers is not None:
+            shape = (num_layers, *shape)
+        return torch.empty(shape, dtype=k.dtype, device=k.device)
+
+
+def layout_of(engine) -> KVLayout:
+    """The KV layout of an LLMEngine."""
+    cfg = engine.model_config
+    return KVLayout(
+        model_fingerprint=model_fingerprint(engine.model_dir),
+        dtype=engine.config.dtype,
+        block_size=engine.config.cache.block_size,
+        num_layers=cfg.num_layers,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+    )
+
+
+def to_bytes(t: torch.Tensor) -> bytes:
+    """Raw bytes of a tensor in its own dtype (bfloat16 included): no pickle."""
+    return t.contiguous().view(torch.uint8).cpu().numpy().tobytes()
+
+
+def from_bytes(data: bytes, like: torch.Tensor) -> torch.Tensor:
+    """A tensor of ``like``'s shape and dtype from ``to_bytes`` output."""
+    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return raw.view(like.dtype).view(like.shape).to(like.device)

@@ -1,0 +1,80 @@
+"""The wire header of a KV handoff: what both ends must agree on."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from rpc.errors import LayoutMismatch
+from rpc.protos import worker_pb2
+
+WIRE_VERSION = 1
+LAYOUT_NHD = "NHD"  # per layer, K then V, each [num_blocks, block_size, kv_heads, head_dim]
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    model_fingerprint: str
+    dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    layout: str = LAYOUT_NHD
+    tp_rank_map: tuple[int, ...] = (0,)
+    wire_version: int = WIRE_VERSION
+
+    @property
+    def block_bytes_per_layer(self) -> int:
+        """K and V of one block in one layer."""
+        elem = {"float32": 4, "float16": 2, "bfloat16": 2}[self.dtype]
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    def to_proto(self) -> worker_pb2.KVLayout:
+        d = asdict(self)
+        d["tp_rank_map"] = list(self.tp_rank_map)
+        return worker_pb2.KVLayout(**d)
+
+    @classmethod
+    def from_proto(cls, p: worker_pb2.KVLayout) -> KVLayout:
+        return cls(
+            model_fingerprint=p.model_fingerprint, dtype=p.dtype, block_size=p.block_size,
+            num_layers=p.num_layers, num_kv_heads=p.num_kv_heads, head_dim=p.head_dim,
+            layout=p.layout, tp_rank_map=tuple(p.tp_rank_map), wire_version=p.wire_version,
+        )
+
+    def check_compatible(self, other: KVLayout, other_name: str = "peer") -> None:
+        """Raise LayoutMismatch naming every field on which the two sides differ."""
+        diffs = [
+            f"{name}: this worker {mine!r}, {other_name} {theirs!r}"
+            for name, mine, theirs in (
+                (f.name, getattr(self, f.name), getattr(other, f.name)) for f in _fields()
+            )
+            if mine != theirs
+        ]
+        if diffs:
+            raise LayoutMismatch("KV layout mismatch (" + "; ".join(diffs) + ")")
+
+
+def _fields():
+    from dataclasses import fields
+
+    return fields(KVLayout)
+
+
+def model_fingerprint(model_dir: Path) -> str:
+    """Same config and same weight files (by name and size) -> same fingerprint."""
+    h = hashlib.sha256()
+    h.update((model_dir / "config.json").read_bytes())
+    for f in sorted(model_dir.glob("*.safetensors")):
+        h.update(f"{f.name}:{f.stat().st_size}".encode())
+    return h.hexdigest()[:16]
+
+
+@dataclass
+class TransferStats:
+    transport: str
+    bytes: int = 0
+    seconds: float = 0.0
+    extra: dict = field(default_factory=dict)

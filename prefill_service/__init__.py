@@ -1,0 +1,1 @@
+"""Prefill worker: runs prompts and hands their KV to decode workers."""

@@ -1,0 +1,16 @@
+"""python -m prefill_service --model ... --port ... [--transport grpc|torch]"""
+
+from __future__ import annotations
+
+from prefill_service.worker import PrefillWorker
+from worker.main import run
+
+
+def main(argv: list[str] | None = None) -> None:
+    run(lambda engine, wid, addr, args: PrefillWorker(
+            engine, wid, addr, default_transport=args.transport, host=args.host),
+        "Tandem prefill worker", ["prefill"], argv)
+
+
+if __name__ == "__main__":
+    main()

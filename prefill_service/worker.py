@@ -1,0 +1,114 @@
+"""The prefill worker: runs prompts (batched, chunked, prefix-cached) into its
+own paged cache, pushes each prompt's KV into the blocks its ticket names on
+a decode worker, and answers with the first sampled token once the decode
+side has acknowledged the KV. Its blocks are freed right after."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+from engine.llm_engine import LLMEngine
+from kv_transfer.base import KVSender
+from kv_transfer.grpc_transport import GrpcSender
+from kv_transfer.layout import KVLayout
+from kv_transfer.torch_transport import TorchSender
+from rpc.convert import logprobs_to_proto, params_from_proto
+from rpc.errors import Fenced
+from rpc.pool import ChannelPool
+from rpc.protos import worker_pb2
+from worker.base import WorkerBase
+
+logger = logging.getLogger("prefill")
+
+
+class PrefillWorker(WorkerBase):
+    role = "prefill"
+
+    def __init__(self, engine: LLMEngine, worker_id: str, address: str,
+                 default_transport: str = "grpc", host: str = "127.0.0.1", **kwargs) -> None:
+        super().__init__(engine, worker_id, address, **kwargs)
+        self.channels = ChannelPool()
+        self.senders: dict[str, KVSender] = {
+            "grpc": GrpcSender(self.io, self.layout, self.channels),
+            "torch": TorchSender(self.io, self.layout, self.channels, worker_id, host),
+        }
+        if default_transport not in self.senders:
+            raise ValueError(f"unknown transport {default_transport!r}; choose grpc or torch")
+        self.default_transport = default_transport
+
+    def transports(self) -> list[str]:
+        return list(self.senders)
+
+    async def prefill(self, req: worker_pb2.PrefillRequest) -> worker_pb2.PrefillResponse:
+        self.check_accepting()
+        ticket = req.ticket
+        self.layout.check_compatible(KVLayout.from_proto(ticket.layout),
+                                     f"decode worker {ticket.decode_worker_id}")
+        if ticket.lease_expiry_unix_ms and ticket.lease_expiry_unix_ms < time.time() * 1000:
+            raise Fenced(f"the reservation of {req.request_id!r} has expired")
+        sender = self.senders.get(req.transport or self.default_transport)
+        if sender is None:
+            raise ValueError(f"unknown transport {req.transport!r}; choose grpc or torch")
+        params = params_from_proto(req.params)
+        if params.n != 1:
+            raise ValueError("a prefill is for one sequence (n=1); the gateway fans out n")
+        tokens = list(req.prompt_token_ids)
+        self.engine.validate(tokens, params)
+        needed = self.engine.kv.num_blocks_for(len(tokens))
+        if needed != len(ticket.block_ids):
+            raise ValueError(f"the ticket has {len(ticket.block_ids)} blocks, the prompt "
+                             f"needs {needed}")
+        # Sample only the first token here; the decode worker does the rest.
+        first_params = dataclasses.replace(
+            params, max_tokens=1, min_tokens=min(params.min_tokens, 1), stop=[],
+        )
+        request_id = req.request_id
+        holder = {}
+
+        def add(engine: LLMEngine) -> None:
+            seqs = engine.make_sequences(request_id, tokens, first_params)
+            seqs[0].hold_blocks = True  # until the decode worker has the KV
+            holder["seq"] = seqs[0]
+            engine.outputs.add(request_id, None, seqs)
+            engine.scheduler.add_request(seqs[0])
+
+        self.inflight.add(request_id)
+        try:
+            final = None
+            async for out in self.aengine.stream(request_id, add):
+                final = out
+            seq = holder["seq"]
+            if final is None or final.outputs[0].finish_reason == "abort":
+                raise Fenced(f"request {request_id!r} was aborted during prefill")
+            comp = final.outputs[0]
+            first_token = comp.token_ids[0]
+            stats = await sender.send(request_id, ticket, list(seq.block_ids))
+            self.metrics.observe_transfer(stats.transport, "send", stats.bytes, stats.seconds,
+                                          True)
+        except Exception:
+            if "seq" in holder and holder["seq"].status.finished:
+                self.metrics.observe_transfer(sender.name, "send", 0, 0.0, False)
+            raise
+        finally:
+            self.inflight.discard(request_id)
+            await self.aengine.run(lambda e: e.scheduler.release_held(request_id))
+        resp = worker_pb2.PrefillResponse(
+            first_token_id=first_token, num_cached_tokens=final.num_cached_tokens,
+            kv_bytes=stats.bytes, transfer_seconds=stats.seconds,
+        )
+        if comp.logprobs:
+            resp.first_logprobs.CopyFrom(logprobs_to_proto(first_token, comp.logprobs[0]))
+        if final.prompt_logprobs is not None:
+            resp.prompt_logprobs.extend(
+                logprobs_to_proto(t, lp)
+                for t, lp in zip(final.prompt_token_ids[1:], final.prompt_logprobs[1:])
+            )
+        return resp
+
+    async def close(self) -> None:
+        for sender in self.senders.values():
+            await sender.close()
+        await self.channels.close()
+        await super().close()

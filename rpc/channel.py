@@ -1,0 +1,21 @@
+"""Channel and server options: message size limits are explicit everywhere."""
+
+from __future__ import annotations
+
+import grpc
+
+# KV chunks are a few MiB; leave headroom over the 4 MiB default.
+MAX_MESSAGE_BYTES = 64 << 20
+
+OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
+
+def aio_channel(address: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(address, options=OPTIONS)

@@ -1,0 +1,67 @@
+"""Protobuf <-> Python conversions shared by the gateway and the workers."""
+
+from __future__ import annotations
+
+from engine.sampling_params import SamplingParams
+from rpc.protos import common_pb2
+
+
+def params_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
+    """Raises ValueError for invalid values, like the Python API."""
+    return SamplingParams(
+        n=p.n or 1,
+        max_tokens=p.max_tokens or 16,
+        min_tokens=p.min_tokens,
+        temperature=p.temperature if p.HasField("temperature") else 1.0,
+        top_p=p.top_p if p.HasField("top_p") else 1.0,
+        top_k=p.top_k if p.HasField("top_k") else -1,
+        min_p=p.min_p,
+        seed=p.seed if p.HasField("seed") else None,
+        repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        stop=list(p.stop),
+        stop_token_ids=list(p.stop_token_ids),
+        include_stop_str_in_output=p.include_stop_str_in_output,
+        ignore_eos=p.ignore_eos,
+        logprobs=p.logprobs if p.HasField("logprobs") else None,
+        prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
+        skip_special_tokens=p.skip_special_tokens if p.HasField("skip_special_tokens") else True,
+    )
+
+
+def params_to_proto(s: SamplingParams) -> common_pb2.SamplingParams:
+    p = common_pb2.SamplingParams(
+        n=s.n, max_tokens=s.max_tokens, min_tokens=s.min_tokens, temperature=s.temperature,
+        top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
+        repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty, stop=s.stop, stop_token_ids=s.stop_token_ids,
+        include_stop_str_in_output=s.include_stop_str_in_output, ignore_eos=s.ignore_eos,
+        skip_special_tokens=s.skip_special_tokens,
+    )
+    if s.seed is not None:
+        p.seed = s.seed
+    if s.logprobs is not None:
+        p.logprobs = s.logprobs
+    if s.prompt_logprobs is not None:
+        p.prompt_logprobs = s.prompt_logprobs
+    return p
+
+
+def logprobs_to_proto(token_id: int, entry: dict[int, float] | None) -> common_pb2.TokenLogprobs:
+    """``entry`` holds the chosen token and the top-N, best first after it."""
+    if entry is None:
+        return common_pb2.TokenLogprobs(token_id=token_id)
+    top = [(t, v) for t, v in entry.items()]
+    top.sort(key=lambda kv: -kv[1])
+    return common_pb2.TokenLogprobs(
+        token_id=token_id, logprob=entry.get(token_id, 0.0),
+        top_token_ids=[t for t, _ in top], top_logprobs=[v for _, v in top],
+    )
+
+
+def logprobs_from_proto(lp: common_pb2.TokenLogprobs) -> dict[int, float]:
+    out = {lp.token_id: lp.logprob}
+    for t, v in zip(lp.top_token_ids, lp.top_logprobs):
+        out.setdefault(t, v)
+    return out

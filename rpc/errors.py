@@ -1,0 +1,124 @@
+"""Exceptions that cross process boundaries, and their gRPC status codes.
+
+Servicers raise these (or ValueError); ``ErrorInterceptor`` turns them into
+statuses, so an error never travels as a string inside a success.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+
+logger = logging.getLogger("rpc")
+
+
+class TandemError(Exception):
+    code = grpc.StatusCode.INTERNAL
+
+
+class NotFound(TandemError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class Overloaded(TandemError):
+    """No room now; retry later (REST 429, RESOURCE_EXHAUSTED)."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Draining(TandemError):
+    """Shutting down; go elsewhere (REST 503, UNAVAILABLE)."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class LayoutMismatch(TandemError):
+    """Two workers disagree on the model or KV layout."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class Fenced(TandemError):
+    """A call from an attempt the gateway has already given up on."""
+
+    code = grpc.StatusCode.ABORTED
+
+
+def status_for(exc: BaseException) -> grpc.StatusCode:
+    if isinstance(exc, TandemError):
+        return exc.code
+    if isinstance(exc, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    return grpc.StatusCode.INTERNAL
+
+
+_FROM_CODE = {
+    grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: Overloaded,
+    grpc.StatusCode.UNAVAILABLE: Draining,
+    grpc.StatusCode.FAILED_PRECONDITION: LayoutMismatch,
+    grpc.StatusCode.ABORTED: Fenced,
+}
+
+
+def from_rpc_error(err: grpc.aio.AioRpcError) -> Exception:
+    """The exception a failed call stands for, on the calling side."""
+    if err.code() == grpc.StatusCode.INVALID_ARGUMENT:
+        return ValueError(err.details())
+    cls = _FROM_CODE.get(err.code(), TandemError)
+    return cls(err.details())
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Maps exceptions raised by any handler (unary or streaming) to statuses."""
+
+    async def intercept_service(
+        self, continuation: Callable[[Any], Awaitable[Any]], details: Any
+    ) -> Any:
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        if handler.unary_unary:
+            return handler._replace(unary_unary=_wrap_unary(handler.unary_unary))
+        if handler.unary_stream:
+            return handler._replace(unary_stream=_wrap_stream(handler.unary_stream))
+        if handler.stream_unary:
+            return handler._replace(stream_unary=_wrap_unary(handler.stream_unary))
+        if handler.stream_stream:
+            return handler._replace(stream_stream=_wrap_stream(handler.stream_stream))
+        return handler
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+    code = status_for(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        logger.exception("internal error in a gRPC handler", exc_info=exc)
+    await context.abort(code, str(exc) or type(exc).__name__)
+
+
+def _wrap_unary(fn):
+    async def wrapper(request, context):
+        try:
+            return await fn(request, context)
+        except (grpc.aio.AbortError, grpc.RpcError):
+            raise
+        except Exception as exc:
+            await _abort(context, exc)
+
+    return wrapper
+
+
+def _wrap_stream(fn):
+    async def wrapper(request, context):
+        try:
+            async for item in fn(request, context):
+                yield item
+        except (grpc.aio.AbortError, grpc.RpcError):
+            raise
+        except Exception as exc:
+            await _abort(context, exc)
+
+    return wrapper

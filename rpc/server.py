@@ -1,0 +1,64 @@
+"""A grpc.aio server with Tandem's defaults: size limits, the error
+interceptor, the standard health service and reflection."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from rpc.channel import OPTIONS
+from rpc.errors import ErrorInterceptor
+
+logger = logging.getLogger("rpc")
+
+
+class GrpcServer:
+    def __init__(self, host: str, port: int, interceptors: list | None = None) -> None:
+        self.server = grpc.aio.server(
+            interceptors=[ErrorInterceptor(), *(interceptors or [])], options=OPTIONS
+        )
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise RuntimeError(f"could not bind {host}:{port}")
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self._service_names: list[str] = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
+
+    def add_service(self, full_name: str) -> None:
+        self._service_names.append(full_name)
+
+    async def start(self) -> None:
+        reflection.enable_server_reflection([*self._service_names, reflection.SERVICE_NAME],
+                                            self.server)
+        await self.server.start()
+        await self.set_serving(True)
+
+    async def set_serving(self, serving: bool) -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for name in ["", *self._service_names]:
+            await self.health.set(name, status)
+
+    async def stop(self, grace: float) -> None:
+        await self.server.stop(grace)
+
+
+async def serve_until_signal(
+    start: Callable[[], Awaitable[None]], drain: Callable[[], Awaitable[None]]
+) -> None:
+    """Start, then on SIGTERM/SIGINT run ``drain`` (stop taking work, finish
+    what is in flight within the grace period) and return."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await start()
+    await stop.wait()
+    logger.info("signal received: draining")
+    await drain()

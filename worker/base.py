@@ -1,0 +1,69 @@
+"""The common half of every worker."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from engine.async_engine import AsyncEngine
+from engine.llm_engine import LLMEngine
+from kv_transfer.block_io import BlockIO, layout_of
+from rpc.errors import Draining
+from rpc.protos import worker_pb2
+from worker.metrics import WorkerMetrics
+
+logger = logging.getLogger("worker")
+
+
+class WorkerBase:
+    role = "base"
+
+    def __init__(self, engine: LLMEngine, worker_id: str, address: str,
+                 metrics: WorkerMetrics | None = None) -> None:
+        self.engine = engine
+        self.aengine = AsyncEngine(engine)
+        self.worker_id = worker_id
+        self.address = address
+        self.io = BlockIO(engine.runner.kv_caches)
+        self.layout = layout_of(engine)
+        self.draining = False
+        self.metrics = metrics or WorkerMetrics(worker_id, self.role)
+        self.aengine.step_hooks.append(lambda _: self.metrics.observe_engine(engine))
+        self.inflight: set[str] = set()
+
+    def check_accepting(self) -> None:
+        if self.draining:
+            raise Draining(f"worker {self.worker_id} is draining")
+
+    async def info(self) -> worker_pb2.InfoResponse:
+        e = self.engine
+        return worker_pb2.InfoResponse(
+            worker_id=self.worker_id, role=self.role, model=str(e.config.model or "default"),
+            layout=self.layout.to_proto(), num_blocks=e.runner.num_blocks,
+            free_blocks=e.kv.num_free_blocks, max_model_len=e.max_model_len,
+            num_running=e.scheduler.num_running, num_waiting=e.scheduler.num_waiting,
+            transports=self.transports(), draining=self.draining,
+        )
+
+    def transports(self) -> list[str]:
+        return []
+
+    async def abort(self, request_id: str) -> bool:
+        found = request_id in self.inflight or request_id in self.engine.scheduler.requests
+        await self.aengine.abort(request_id)
+        return found
+
+    async def drain(self, grace: float) -> None:
+        """Stop taking new work; wait up to ``grace`` seconds for in-flight
+        requests, then abort what is left."""
+        self.draining = True
+        deadline = time.monotonic() + grace
+        while self.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for request_id in list(self.inflight):
+            logger.warning("aborting %s at shutdown", request_id)
+            await self.aengine.abort(request_id)
+
+    async def close(self) -> None:
+        await self.aengine.shutdown()

@@ -1,0 +1,90 @@
+"""Process start-up shared by both workers: flags, engine, gRPC server,
+/metrics, registration, and a graceful drain on SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import socket
+from collections.abc import Callable
+
+from engine.cli_args import add_engine_args, config_from_args
+from engine.llm_engine import LLMEngine
+from rpc.protos import worker_pb2, worker_pb2_grpc
+from rpc.server import GrpcServer, serve_until_signal
+from worker.base import WorkerBase
+from worker.logs import setup_logging
+from worker.registry import Registration
+from worker.servicer import WorkerServicer
+
+logger = logging.getLogger("worker")
+
+WorkerFactory = Callable[[LLMEngine, str, str, argparse.Namespace], WorkerBase]
+
+
+def parser(description: str, roles: list[str]) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    add_engine_args(p)
+    g = p.add_argument_group("worker")
+    g.add_argument("--role", default=roles[0], choices=roles)
+    g.add_argument("--host", default="127.0.0.1", help="address to bind")
+    g.add_argument("--advertise-host", default=None,
+                   help="host other processes reach this worker at (default: --host)")
+    g.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
+    g.add_argument("--worker-id", default=None)
+    g.add_argument("--metrics-port", type=int, default=None, help="serve /metrics here")
+    g.add_argument("--state-url", default=os.environ.get("REDIS_URL"),
+                   help="Redis URL to register in (default: $REDIS_URL; none: no registration)")
+    g.add_argument("--grace", type=float, default=10.0, help="seconds to drain on SIGTERM")
+    g.add_argument("--transport", default="grpc", choices=["grpc", "torch"],
+                   help="default KV transport of a prefill worker")
+    g.add_argument("--log-format", default="plain", choices=["plain", "json"])
+    return p
+
+
+def run(make_worker: WorkerFactory, description: str, roles: list[str],
+        argv: list[str] | None = None) -> None:
+    args = parser(description, roles).parse_args(argv)
+    setup_logging(args.log_format)
+    asyncio.run(serve(make_worker, args))
+
+
+async def serve(make_worker: WorkerFactory, args: argparse.Namespace) -> None:
+    engine = LLMEngine(config_from_args(args))
+    server = GrpcServer(args.host, args.port)
+    host = args.advertise_host or args.host
+    worker_id = args.worker_id or f"{args.role}-{socket.gethostname()}-{server.port}"
+    address = f"{host}:{server.port}"
+    worker = make_worker(engine, worker_id, address, args)
+    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(worker), server.server)
+    server.add_service(worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name)
+    registration = Registration(args.state_url, worker) if args.state_url else None
+    metrics_server = None
+
+    async def start() -> None:
+        nonlocal metrics_server
+        await server.start()
+        if args.metrics_port is not None:
+            from prometheus_client import start_http_server
+
+            metrics_server, _ = start_http_server(args.metrics_port, addr=args.host,
+                                                  registry=worker.metrics.registry)
+        if registration is not None:
+            await registration.start()
+        # Launchers and tests wait for this line.
+        print(f"TANDEM_READY {worker.role} {worker_id} {address}", flush=True)
+        logger.info("%s worker %s serving on %s", worker.role, worker_id, address)
+
+    async def drain() -> None:
+        await server.set_serving(False)
+        if registration is not None:
+            await registration.stop()
+        await worker.drain(args.grace)
+        await server.stop(grace=1.0)
+        await worker.close()
+        if metrics_server is not None:
+            metrics_server.shutdown()
+
+    await serve_until_signal(start, drain)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from engine.config import EngineConfig, ModelConfig
 from engine.kv_cache_manager import KVCacheManager
-from engine.loader.weights import resolve_model_dir
+from engine.loader.resolve import resolve_model_dir
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput

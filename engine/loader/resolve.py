@@ -1,0 +1,41 @@
+"""Find a model on disk. Torch-free: the gateway resolves the model too, for
+its tokenizer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def resolve_model_dir(model: str | Path | None) -> Path:
+    """A directory with config.json and safetensors, whatever was named.
+
+    ``None`` means the bundled default model; a ``.gguf`` file (or a
+    directory holding exactly one) is converted once and cached.
+    """
+    from engine.loader.default_model import default_model_path
+    from engine.loader.gguf_convert import convert_gguf
+
+    path = default_model_path() if model is None else Path(model).expanduser()
+    if not path.exists():
+        raise ValueError(f"model path {str(path)!r} does not exist")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"{path} is not a model: give a directory or a .gguf file")
+        return convert_gguf(path)
+    if (path / "config.json").is_file():
+        if not safetensors_files(path):
+            raise ValueError(f"{path} has a config.json but no .safetensors weights")
+        return path
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return convert_gguf(ggufs[0])
+    raise ValueError(f"{path} holds no supported model (config.json + safetensors, or one .gguf)")
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / s for s in shards]
+    return sorted(model_dir.glob("*.safetensors"))

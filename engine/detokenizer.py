@@ -51,8 +51,10 @@ class IncrementalDetokenizer:
         full = decode(self.ids[self.prefix_offset :], self.skip_special)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return
-        delta = full[len(prefix) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self._append(full[len(prefix) :])
+
+    def _append(self, delta: str) -> None:
         start = max(0, len(self.text) - self.holdback)
         self.text += delta
         for s in self.stop:
@@ -65,9 +67,24 @@ class IncrementalDetokenizer:
     def take(self, final: bool) -> str:
         """The text not yet handed out; holds back a possible stop-string
         prefix unless ``final``."""
+        if final:
+            self._flush()
         end = len(self.text) if final or self.stop_reason else len(self.text) - self.holdback
         if end <= self.num_emitted:
             return ""
         out = self.text[self.num_emitted : end]
         self.num_emitted = end
         return out
+
+    def _flush(self) -> None:
+        # NOTE: at the end, bytes held back for an incomplete character will
+        # never be completed: decode them as U+FFFD so that the text equals a
+        # full decode of the tokens.
+        if self.stop_reason is not None or self.read_offset == len(self.ids):
+            return
+        decode = self.tokenizer.decode
+        prefix = decode(self.ids[self.prefix_offset : self.read_offset], self.skip_special)
+        full = decode(self.ids[self.prefix_offset :], self.skip_special)
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        if len(full) > len(prefix):
+            self._append(full[len(prefix) :])

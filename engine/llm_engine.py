@@ -73,6 +73,11 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass prompt token ids")
             return prompt, self.tokenizer.encode(prompt)
+        if not isinstance(prompt, Sequence):  # e.g. LLM.generate([1.5]): a TypeError otherwise
+            raise ValueError(
+                f"a prompt must be a string or a list of integer token ids, "
+                f"got {type(prompt).__name__}"
+            )
         token_ids = list(prompt)
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
             raise ValueError("prompt token ids must be integers")

@@ -151,7 +151,11 @@ class ModelRunner:
                 ids[t : t + n] = request.token_ids[start : start + n]
                 pos[t : t + n] = p
                 slots[t : t + n] = tables[i, p // bs].astype(np.int64) * bs + p % bs
-            if request.params.prompt_logprobs is not None and start < request.num_prompt_tokens - 1:
+            # NOTE: only the first of n completions: the others start past the
+            # prompt blocks they share with it, so they lack the early rows.
+            # max(.., 1): a one-token prompt still gets its [None].
+            if (request.params.prompt_logprobs is not None and request.index == 0
+                    and start < max(request.num_prompt_tokens - 1, 1)):
                 prompt_rows.append((request, start, t, t + n))
             t += n
             query_start[i + 1] = t

@@ -75,9 +75,12 @@ class OutputProcessor:
                     comp.num_decoded += 1
                     if comp.detok.stop_reason is not None:
                         break
-                if comp.detok.stop_reason is not None and not seq.finished:
+                if comp.detok.stop_reason is not None:
+                    # NOTE: also when this token ended the request for another
+                    # reason (max_tokens): the text is cut at the stop string.
                     comp.finish_reason, comp.stop_reason = "stop", comp.detok.stop_reason
-                    stopped.append(seq.request_id)
+                    if not seq.finished:
+                        stopped.append(seq.request_id)
             if seq.finished and comp.finish_reason is None:
                 comp.finish_reason, comp.stop_reason = seq.finish_reason, seq.stop_reason
             touched[group.request_id] = group

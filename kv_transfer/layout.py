@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
+from engine.loader.resolve import model_fingerprint  # noqa: F401 - re-exported
 from rpc.errors import LayoutMismatch
 from rpc.protos import worker_pb2
 
@@ -61,15 +60,6 @@ def _fields():
     from dataclasses import fields
 
     return fields(KVLayout)
-
-
-def model_fingerprint(model_dir: Path) -> str:
-    """Same config and same weight files (by name and size) -> same fingerprint."""
-    h = hashlib.sha256()
-    h.update((model_dir / "config.json").read_bytes())
-    for f in sorted(model_dir.glob("*.safetensors")):
-        h.update(f"{f.name}:{f.stat().st_size}".encode())
-    return h.hexdigest()[:16]
 
 
 @dataclass

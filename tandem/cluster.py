@@ -29,6 +29,7 @@ class Proc:
     popen: subprocess.Popen
     address: str = ""
     worker_id: str = ""
+    extra: dict[str, str] = field(default_factory=dict)  # e.g. the gateway's grpc=host:port
     lines: list[str] = field(default_factory=list)
 
     @property
@@ -105,7 +106,9 @@ class LocalCluster:
             if self.echo:
                 print(f"[{proc.role}] {line}", flush=True)
             if line.startswith("TANDEM_READY "):
-                _, _, proc.worker_id, proc.address = line.split(" ", 3)
+                parts = line.split()
+                proc.worker_id, proc.address = parts[2], parts[3]
+                proc.extra = dict(p.split("=", 1) for p in parts[4:] if "=" in p)
                 ready.set()
         if log is not None:
             log.close()

@@ -23,7 +23,8 @@ from tokenizers import Tokenizer, pre_tokenizers
 
 from engine.loader import gguf_convert
 from engine.loader.default_model import default_model_path
-from engine.loader.gguf_convert import convert_gguf, unpermute_rotary
+from engine.loader.gguf_convert import convert_gguf
+from engine.loader.gguf_tensors import unpermute_rotary
 
 HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 256, 512, 4, 2, 2
 HEAD_DIM = HIDDEN // HEADS

@@ -15,7 +15,7 @@ from engine.llm_engine import LLMEngine
 from rpc.protos import worker_pb2, worker_pb2_grpc
 from rpc.server import GrpcServer, serve_until_signal
 from worker.base import WorkerBase
-from worker.logs import setup_logging
+from rpc.logs import setup_logging
 from worker.registry import Registration
 from worker.servicer import WorkerServicer
 

@@ -3,6 +3,7 @@ its tokenizer."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -39,3 +40,13 @@ def safetensors_files(model_dir: Path) -> list[Path]:
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         return [model_dir / s for s in shards]
     return sorted(model_dir.glob("*.safetensors"))
+
+
+def model_fingerprint(model_dir: Path) -> str:
+    """Same config and same weight files (by name and size): same fingerprint.
+    Workers compare it before moving KV; the gateway before routing to them."""
+    h = hashlib.sha256()
+    h.update((Path(model_dir) / "config.json").read_bytes())
+    for f in safetensors_files(Path(model_dir)):
+        h.update(f"{f.name}:{f.stat().st_size}".encode())
+    return h.hexdigest()[:16]

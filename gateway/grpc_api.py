@@ -1,0 +1,55 @@
+"""The public gRPC API: tandem.v1.Generation.
+
+Cancelling a Generate call aborts the request on every worker (the stream's
+generator is closed, and the orchestrator aborts what it started).
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from gateway.service import GatewayService
+from rpc.convert import params_from_proto
+from rpc.protos import common_pb2, generation_pb2, generation_pb2_grpc
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, service: GatewayService) -> None:
+        self.service = service
+
+    async def Generate(self, request: generation_pb2.GenerateRequest, context):
+        service = self.service
+        service.check_model(request.model or None)
+        params = params_from_proto(request.params)
+        if request.WhichOneof("prompt") == "text":
+            prompt = service.tokenize_prompt(request.text)
+        elif request.WhichOneof("prompt") == "token_ids":
+            prompt = service.tokenize_prompt(list(request.token_ids.ids))
+        else:
+            raise ValueError("prompt must not be empty")
+        if not request.params.max_tokens:
+            params.max_tokens = min(16, service.default_max_tokens(prompt))
+        request_id = request.request_id or f"grpc-{uuid.uuid4().hex}"
+        completion_tokens = 0
+        cached = 0
+        remaining = params.n
+        async for chunk in service.generate(prompt, params, request_id):
+            completion_tokens += len(chunk.token_ids)
+            reply = generation_pb2.GenerateResponse(
+                request_id=request_id, index=chunk.index, token_ids=chunk.token_ids,
+                text=chunk.text, logprobs=chunk.logprobs,
+                finish_reason=chunk.finish_reason or "",
+            )
+            if chunk.finish_reason:
+                remaining -= 1
+                cached = max(cached, chunk.cached_tokens)
+                if remaining == 0:
+                    reply.usage.CopyFrom(common_pb2.Usage(
+                        prompt_tokens=len(prompt), completion_tokens=completion_tokens,
+                        cached_tokens=cached,
+                    ))
+            yield reply
+
+    async def Abort(self, request: generation_pb2.GenerateAbortRequest, context):
+        await self.service.orchestrator.abort(request.request_id)
+        return generation_pb2.GenerateAbortResponse(found=True)

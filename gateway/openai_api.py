@@ -1,0 +1,382 @@
+"""OpenAI-compatible REST: /v1/completions, /v1/chat/completions, /v1/models,
+/health and /metrics, with server-sent events for ``stream: true``.
+
+Every error is an OpenAI error object with the matching status. An error
+after a stream has begun is sent as an error event, then ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from gateway.orchestrator import Chunk
+from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.service import GatewayService
+from rpc.errors import Draining, NotFound, Overloaded, TandemError
+
+RETRY_AFTER_S = "1"
+
+
+class Unauthorized(Exception):
+    pass
+
+
+def error_body(message: str, type_: str, code: str | int | None = None,
+               param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    """The status and OpenAI error object for an exception."""
+    if isinstance(exc, Unauthorized):
+        return JSONResponse(error_body(str(exc), "authentication_error", "invalid_api_key"), 401)
+    if isinstance(exc, Overloaded):
+        return JSONResponse(error_body(str(exc), "rate_limit_error", "rate_limit_exceeded"), 429,
+                            headers={"Retry-After": RETRY_AFTER_S})
+    if isinstance(exc, Draining):
+        return JSONResponse(error_body(str(exc), "service_unavailable", "draining"), 503,
+                            headers={"Retry-After": RETRY_AFTER_S})
+    if isinstance(exc, NotFound):
+        return JSONResponse(error_body(str(exc), "invalid_request_error", "model_not_found",
+                                       "model"), 404)
+    if isinstance(exc, ValueError):
+        return JSONResponse(error_body(str(exc), "invalid_request_error"), 400)
+    if isinstance(exc, TandemError):
+        return JSONResponse(error_body(str(exc), "server_error"), 502)
+    return JSONResponse(error_body("internal error", "server_error"), 500)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return "the request body is not valid JSON", None
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    return (f"{param}: {first.get('msg')}" if param else str(first.get("msg"))), param
+
+
+def build_app(service: GatewayService) -> FastAPI:
+    app = FastAPI(title="Tandem", version="0.1.0")
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        message, param = _validation_message(exc)
+        return JSONResponse(error_body(message, "invalid_request_error", None, param), 400)
+
+    @app.exception_handler(Exception)
+    async def _any(request: Request, exc: Exception):
+        return error_response(exc)
+
+    @app.middleware("http")
+    async def _auth_and_body(request: Request, call_next):
+        key = service.config.api_key
+        if key and request.url.path.startswith("/v1/"):
+            header = request.headers.get("authorization", "")
+            given = header[7:] if header.lower().startswith("bearer ") else ""
+            if not hmac.compare_digest(given.encode(), key.encode()):
+                return error_response(Unauthorized("Incorrect or missing API key"))
+        if request.method == "POST":
+            body = await request.body()
+            try:
+                body.decode("utf-8")
+            except UnicodeDecodeError:
+                return JSONResponse(error_body("the request body is not valid UTF-8",
+                                               "invalid_request_error"), 400)
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        if service.draining:
+            return JSONResponse({"status": "draining"}, 503)
+        return {"status": "ok", "workers": service.pool.snapshot()}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(service.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": service.model_name, "object": "model", "created": service.created,
+            "owned_by": "tandem", "max_model_len": service.max_model_len,
+        }]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest):
+        service.check_model(body.model)
+        if body.echo or body.suffix or (body.best_of or 1) > 1 or body.logit_bias:
+            raise ValueError("echo, suffix, best_of and logit_bias are not supported")
+        prompts = _prompts(body.prompt)
+        token_lists = [service.tokenize_prompt(p) for p in prompts]
+        params = [body.sampling(
+            body.max_tokens if body.max_tokens is not None else service.default_max_tokens(t),
+            body.logprobs) for t in token_lists]
+        for t, p in zip(token_lists, params):
+            service.check_length(t, p)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        merged = _merge(service, rid, token_lists, params)
+        first = await _first(merged)
+        render = _CompletionRenderer(service, rid, len(token_lists), params[0].n,
+                                     body.logprobs or 0)
+        if body.stream:
+            return _sse(render.stream(first, merged, body.include_usage))
+        return await render.collect(first, merged)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest):
+        service.check_model(body.model)
+        if body.tools or body.logit_bias:
+            raise ValueError("tools and logit_bias are not supported")
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        tokens = service.tokenize_chat(messages, body.add_generation_prompt)
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        if max_tokens is None:
+            max_tokens = service.default_max_tokens(tokens)
+        top = body.top_logprobs if body.logprobs else None
+        if body.logprobs and top is None:
+            top = 0
+        params = body.sampling(max_tokens, top)
+        service.check_length(tokens, params)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        merged = _merge(service, rid, [tokens], [params])
+        first = await _first(merged)
+        render = _ChatRenderer(service, rid, params.n, top or 0)
+        if body.stream:
+            return _sse(render.stream(first, merged, body.include_usage))
+        return await render.collect(first, merged)
+
+    return app
+
+
+def _prompts(prompt) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise ValueError("prompt must not be empty")
+    if isinstance(prompt[0], int):
+        return [prompt]
+    return list(prompt)
+
+
+async def _merge(service: GatewayService, rid: str, prompts: list[list[int]],
+                 params: list) -> AsyncIterator[tuple[int, Chunk]]:
+    """The chunks of every prompt's completions; yields (prompt index, chunk)."""
+    if len(prompts) == 1:
+        async for chunk in service.generate(prompts[0], params[0], rid):
+            yield 0, chunk
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def run(i: int) -> None:
+        try:
+            async for chunk in service.generate(prompts[i], params[i], f"{rid}-p{i}"):
+                queue.put_nowait((i, chunk))
+            queue.put_nowait((i, None))
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait((i, exc))
+
+    tasks = [asyncio.ensure_future(run(i)) for i in range(len(prompts))]
+    try:
+        done = 0
+        while done < len(prompts):
+            i, item = await queue.get()
+            if item is None:
+                done += 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _first(merged: AsyncIterator) -> Any:
+    """Wait for the first chunk before answering, so that errors raised
+    before any token (429, 400, 503) become a status code, not a stream."""
+    try:
+        return await merged.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+def _sse(events: AsyncIterator[dict]) -> StreamingResponse:
+    async def body():
+        try:
+            async for event in events:
+                yield f"data: {json.dumps(event)}\n\n"
+        except Exception as exc:  # after the stream began: an error event, then the end
+            payload = json.loads(error_response(exc).body)
+            yield f"data: {json.dumps(payload)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+class _Renderer:
+    object_name = ""
+    chunk_object = ""
+
+    def __init__(self, service: GatewayService, rid: str, num_choices: int) -> None:
+        self.service = service
+        self.rid = rid
+        self.created = int(time.time())
+        self.num_choices = num_choices
+        self.prompt_tokens: dict[int, int] = {}
+        self.cached_tokens: dict[int, int] = {}
+        self.completion_tokens = 0
+
+    def _account(self, prompt_index: int, chunk: Chunk) -> None:
+        self.completion_tokens += len(chunk.token_ids)
+        if chunk.finish_reason:
+            self.prompt_tokens[prompt_index] = chunk.prompt_tokens
+            self.cached_tokens[prompt_index] = chunk.cached_tokens
+
+    def usage(self) -> dict:
+        prompt = sum(self.prompt_tokens.values())
+        return {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens,
+                "total_tokens": prompt + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens.values())}}
+
+    def token_text(self, token_id: int) -> str:
+        return self.service.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    async def _all(self, first, merged):
+        if first is not None:
+            yield first
+            async for item in merged:
+                yield item
+
+    def _envelope(self, choices: list, obj: str) -> dict:
+        return {"id": self.rid, "object": obj, "created": self.created,
+                "model": self.service.model_name, "choices": choices}
+
+
+class _CompletionRenderer(_Renderer):
+    def __init__(self, service, rid, num_prompts: int, n: int, top_n: int) -> None:
+        super().__init__(service, rid, num_prompts * n)
+        self.n = n
+        self.top_n = top_n
+        self.offsets: dict[int, int] = {}
+
+    def _logprobs(self, choice: int, chunk: Chunk) -> dict | None:
+        if not chunk.logprobs:
+            return None
+        tokens, values, tops, offsets = [], [], [], []
+        for lp in chunk.logprobs:
+            text = self.token_text(lp.token_id)
+            offsets.append(self.offsets.get(choice, 0))
+            self.offsets[choice] = offsets[-1] + len(text)
+            tokens.append(text)
+            values.append(lp.logprob)
+            top = list(zip(lp.top_token_ids, lp.top_logprobs))[: self.top_n]
+            tops.append({self.token_text(t): v for t, v in top})
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
+                "text_offset": offsets}
+
+    async def stream(self, first, merged, include_usage: bool) -> AsyncIterator[dict]:
+        async for p, chunk in self._all(first, merged):
+            self._account(p, chunk)
+            choice = p * self.n + chunk.index
+            yield self._envelope([{
+                "index": choice, "text": chunk.text, "logprobs": self._logprobs(choice, chunk),
+                "finish_reason": chunk.finish_reason,
+            }], "text_completion")
+        if include_usage:
+            yield {**self._envelope([], "text_completion"), "usage": self.usage()}
+
+    async def collect(self, first, merged) -> dict:
+        choices: dict[int, dict] = {}
+        async for p, chunk in self._all(first, merged):
+            self._account(p, chunk)
+            index = p * self.n + chunk.index
+            c = choices.setdefault(index, {"index": index, "text": "", "logprobs": None,
+                                           "finish_reason": None})
+            c["text"] += chunk.text
+            lp = self._logprobs(index, chunk)
+            if lp is not None:
+                if c["logprobs"] is None:
+                    c["logprobs"] = lp
+                else:
+                    for key in lp:
+                        c["logprobs"][key].extend(lp[key])
+            if chunk.finish_reason:
+                c["finish_reason"] = chunk.finish_reason
+        body = self._envelope([choices[i] for i in sorted(choices)], "text_completion")
+        body["usage"] = self.usage()
+        return body
+
+
+class _ChatRenderer(_Renderer):
+    def __init__(self, service, rid, n: int, top_n: int) -> None:
+        super().__init__(service, rid, n)
+        self.top_n = top_n
+
+    def _logprobs(self, chunk: Chunk) -> dict | None:
+        if not chunk.logprobs:
+            return None
+        content = []
+        for lp in chunk.logprobs:
+            text = self.token_text(lp.token_id)
+            content.append({
+                "token": text, "logprob": lp.logprob, "bytes": list(text.encode()),
+                "top_logprobs": [
+                    {"token": (t := self.token_text(tid)), "logprob": v, "bytes": list(t.encode())}
+                    for tid, v in list(zip(lp.top_token_ids, lp.top_logprobs))[: self.top_n]
+                ],
+            })
+        return {"content": content}
+
+    async def stream(self, first, merged, include_usage: bool) -> AsyncIterator[dict]:
+        started: set[int] = set()
+        async for p, chunk in self._all(first, merged):
+            self._account(p, chunk)
+            delta: dict[str, Any] = {}
+            if chunk.index not in started:
+                started.add(chunk.index)
+                delta["role"] = "assistant"
+            if chunk.text or not delta:
+                delta["content"] = chunk.text
+            yield self._envelope([{
+                "index": chunk.index, "delta": delta, "logprobs": self._logprobs(chunk),
+                "finish_reason": chunk.finish_reason,
+            }], "chat.completion.chunk")
+        if include_usage:
+            yield {**self._envelope([], "chat.completion.chunk"), "usage": self.usage()}
+
+    async def collect(self, first, merged) -> dict:
+        choices: dict[int, dict] = {}
+        async for p, chunk in self._all(first, merged):
+            self._account(p, chunk)
+            c = choices.setdefault(chunk.index, {
+                "index": chunk.index, "message": {"role": "assistant", "content": ""},
+                "logprobs": None, "finish_reason": None,
+            })
+            c["message"]["content"] += chunk.text
+            lp = self._logprobs(chunk)
+            if lp is not None:
+                if c["logprobs"] is None:
+                    c["logprobs"] = lp
+                else:
+                    c["logprobs"]["content"].extend(lp["content"])
+            if chunk.finish_reason:
+                c["finish_reason"] = chunk.finish_reason
+        body = self._envelope([choices[i] for i in sorted(choices)], "chat.completion")
+        body["usage"] = self.usage()
+        return body

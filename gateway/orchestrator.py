@@ -1,0 +1,290 @@
+"""One request's journey through the workers, with its failure semantics.
+
+    reserve on a decode worker ──> prefill worker pushes KV, returns token 1
+            └──────────── decode worker streams tokens 2.. ────────────┘
+
+- No room on any decode worker: ``Overloaded`` before any compute is spent.
+- A failure before the client has a token: retry on other workers.
+- A failure after: migrate to another decode worker with prompt + tokens so
+  far (it recomputes them), so the stream goes on without duplicates or gaps;
+  when no worker is left, the stream ends with an error.
+- Cancellation (client disconnect): abort on every worker holding the request.
+
+A request with ``n > 1`` runs as ``n`` sequences ``{id}-{i}`` with seed
+``seed + i``, exactly as the engine forks them offline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from engine.sampling_params import SamplingParams
+from gateway.router import WorkerPool, WorkerView
+from gateway.state import State, StateStore
+from rpc.convert import params_to_proto
+from rpc.errors import Overloaded, TandemError, from_rpc_error
+from rpc.protos import worker_pb2
+
+logger = logging.getLogger("gateway")
+
+# Status codes after which the same call may work on another worker.
+RETRYABLE = {
+    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.CANCELLED,
+}
+
+
+class StreamFailed(TandemError):
+    """The request failed after tokens were sent and could not be migrated."""
+
+
+@dataclass
+class Chunk:
+    """A piece of one completion, as the APIs stream it."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list = field(default_factory=list)  # TokenLogprobs protos
+    finish_reason: str | None = None
+    stop_reason: str = ""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    prompt_logprobs: list = field(default_factory=list)
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    index: int
+    prompt: list[int]
+    params: SamplingParams
+    sent: list[int] = field(default_factory=list)
+    holders: set[str] = field(default_factory=set)  # worker addresses holding it now
+    attempt: int = 0
+    prompt_logprobs: list = field(default_factory=list)  # from the prefill worker
+
+
+class Orchestrator:
+    def __init__(self, pool: WorkerPool, store: StateStore, transport: str = "grpc",
+                 lease_ms: int = 30_000, max_attempts: int = 3) -> None:
+        self.pool = pool
+        self.store = store
+        self.transport = transport
+        self.lease_ms = lease_ms
+        self.max_attempts = max_attempts
+
+    async def generate(self, request_id: str, prompt: list[int],
+                       params: SamplingParams) -> AsyncIterator[Chunk]:
+        """Chunks of all ``n`` completions, interleaved as they come."""
+        await self.store.create(request_id, {
+            "prompt_tokens": len(prompt), "params": json.dumps(dataclasses.asdict(params)),
+            "tokens_sent": 0, "n": params.n,
+        })
+        seqs = [
+            Sequence(
+                request_id if params.n == 1 else f"{request_id}-{i}", i, prompt,
+                dataclasses.replace(params, n=1,
+                                    seed=None if params.seed is None else params.seed + i),
+            )
+            for i in range(params.n)
+        ]
+        queue: asyncio.Queue = asyncio.Queue()
+        tasks = [asyncio.ensure_future(self._pump(s, queue)) for s in seqs]
+        final, done = State.FINISHED, 0
+        try:
+            while done < len(seqs):
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    final = State.FAILED
+                    raise item
+                if item is None:
+                    done += 1
+                    continue
+                yield item
+        except (asyncio.CancelledError, GeneratorExit):
+            final = State.ABORTED
+            raise
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.shield(self._finish(request_id, seqs, final))
+
+    async def _pump(self, seq: Sequence, queue: asyncio.Queue) -> None:
+        try:
+            async for chunk in self._run(seq):
+                queue.put_nowait(chunk)
+            queue.put_nowait(None)
+        except asyncio.CancelledError:
+            await asyncio.shield(self._abort_everywhere(seq))
+            raise
+        except BaseException as exc:
+            await asyncio.shield(self._abort_everywhere(seq))
+            queue.put_nowait(exc)
+
+    async def _finish(self, request_id: str, seqs: list[Sequence], state: State) -> None:
+        try:
+            await self.store.update(request_id, max(s.attempt for s in seqs), {
+                "state": state, "tokens_sent": sum(len(s.sent) for s in seqs),
+                "finished": f"{time.time():.3f}",
+            })
+        except Exception:
+            logger.exception("could not record the end of %s", request_id)
+
+    # ---- one sequence, with retries --------------------------------------------------
+
+    async def _run(self, seq: Sequence) -> AsyncIterator[Chunk]:
+        tried: set[str] = set()
+        last_error: Exception | None = None
+        while seq.attempt < self.max_attempts:
+            seq.attempt += 1
+            try:
+                async for chunk in self._attempt(seq, tried):
+                    yield chunk
+                return
+            except Overloaded:
+                if not seq.sent:
+                    raise  # no decode worker has room: the client gets 429
+                last_error = StreamFailed("no decode worker has room to continue the request")
+            except grpc.aio.AioRpcError as err:
+                if err.code() not in RETRYABLE:
+                    raise from_rpc_error(err) from None
+                logger.warning("%s attempt %d failed (%s: %s); %s", seq.request_id, seq.attempt,
+                               err.code().name, err.details(),
+                               "migrating" if seq.sent else "retrying")
+                last_error = err
+            await self._abort_everywhere(seq)
+        if seq.sent:
+            raise StreamFailed(f"request failed after {len(seq.sent)} tokens: {last_error}")
+        if isinstance(last_error, grpc.aio.AioRpcError):
+            raise from_rpc_error(last_error) from None
+        raise last_error or Overloaded("no worker could take the request")
+
+    async def _attempt(self, seq: Sequence, tried: set[str]) -> AsyncIterator[Chunk]:
+        needed = len(seq.prompt) + len(seq.sent) + 1
+        candidates = self.pool.decode_candidates(needed, tried)
+        if not candidates:
+            candidates = self.pool.decode_candidates(needed, set())
+        if not candidates:
+            raise Overloaded("no decode worker has room for the request")
+        params = params_to_proto(seq.params)
+        if self.pool.colocated or seq.sent:
+            # The worker runs the whole request: colocated, or a migration that
+            # recomputes prompt + tokens already sent.
+            decode = candidates[0]
+            request = worker_pb2.DecodeRequest(
+                request_id=seq.request_id, prompt_token_ids=seq.prompt,
+                output_token_ids=seq.sent, params=params, attempt=seq.attempt,
+            )
+            await self._state(seq, State.DECODING, decode=decode)
+        else:
+            decode, ticket = await self._reserve(seq, candidates, params)
+            first = await self._prefill(seq, ticket, params, tried)
+            request = worker_pb2.DecodeRequest(
+                request_id=seq.request_id, first_token_id=first.first_token_id,
+                first_logprobs=first.first_logprobs if first.HasField("first_logprobs")
+                else None, params=params, attempt=seq.attempt,
+            )
+            await self._state(seq, State.DECODING, decode=decode)
+            seq.prompt_logprobs = list(first.prompt_logprobs)
+        tried.add(decode.address)
+        seq.holders.add(decode.address)
+        decode.inflight += 1
+        try:
+            first_chunk = True
+            async for c in self.pool.stub(decode.address).Decode(request):
+                chunk = Chunk(
+                    index=seq.index, token_ids=list(c.token_ids), text=c.text,
+                    logprobs=list(c.logprobs), finish_reason=c.finish_reason or None,
+                    stop_reason=c.stop_reason, prompt_tokens=c.usage.prompt_tokens,
+                    cached_tokens=c.usage.cached_tokens,
+                    prompt_logprobs=list(c.prompt_logprobs),
+                )
+                if first_chunk and not chunk.prompt_logprobs:
+                    chunk.prompt_logprobs = seq.prompt_logprobs
+                first_chunk = False
+                seq.sent.extend(chunk.token_ids)
+                yield chunk
+                if chunk.finish_reason:
+                    return
+        finally:
+            decode.inflight -= 1
+            seq.holders.discard(decode.address)
+        raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None,
+                                   details="decode stream ended without a finish reason")
+
+    async def _reserve(self, seq: Sequence, candidates: list[WorkerView], params):
+        for decode in candidates:
+            try:
+                reply = await self.pool.stub(decode.address).Reserve(worker_pb2.ReserveRequest(
+                    request_id=seq.request_id, prompt_token_ids=seq.prompt, params=params,
+                    lease_ms=self.lease_ms, attempt=seq.attempt,
+                ), timeout=10.0)
+            except grpc.aio.AioRpcError as err:
+                if err.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise
+                logger.info("reserve on %s failed: %s", decode.address, err.details())
+                continue
+            seq.holders.add(decode.address)
+            decode.free_blocks -= len(reply.ticket.block_ids)
+            return decode, reply.ticket
+        raise Overloaded("no decode worker has room for the request")
+
+    async def _prefill(self, seq: Sequence, ticket, params, tried: set[str]):
+        prefill = self.pool.pick_prefill(seq.prompt, tried) or self.pool.pick_prefill(
+            seq.prompt, set())
+        if prefill is None:
+            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None,
+                                       details="no prefill worker is available")
+        await self._state(seq, State.PREFILLING, prefill=prefill)
+        seq.holders.add(prefill.address)
+        prefill.inflight += 1
+        try:
+            return await self.pool.stub(prefill.address).Prefill(worker_pb2.PrefillRequest(
+                request_id=seq.request_id, prompt_token_ids=seq.prompt, params=params,
+                ticket=ticket, transport=self.transport,
+            ))
+        except grpc.aio.AioRpcError:
+            tried.add(prefill.address)
+            raise
+        finally:
+            prefill.inflight -= 1
+            seq.holders.discard(prefill.address)
+
+    async def _state(self, seq: Sequence, state: State, decode: WorkerView | None = None,
+                     prefill: WorkerView | None = None) -> None:
+        fields: dict = {"state": state, "tokens_sent": len(seq.sent)}
+        if decode is not None:
+            fields["decode_worker"] = decode.worker_id or decode.address
+        if prefill is not None:
+            fields["prefill_worker"] = prefill.worker_id or prefill.address
+        parent = seq.request_id if seq.index == 0 else seq.request_id.rsplit("-", 1)[0]
+        await self.store.update(parent, seq.attempt, fields)
+
+    async def _abort_everywhere(self, seq: Sequence) -> None:
+        """Best effort: every worker that may hold blocks of ``seq`` frees them."""
+        holders, seq.holders = set(seq.holders), set()
+        await asyncio.gather(*(
+            self.pool.stub(a).Abort(worker_pb2.AbortRequest(request_id=seq.request_id),
+                                    timeout=5.0)
+            for a in holders
+        ), return_exceptions=True)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort by id from outside the request's own stream (all workers)."""
+        addresses = [w.address for w in self.pool.workers.values() if w.healthy]
+        await asyncio.gather(*(
+            self.pool.stub(a).Abort(worker_pb2.AbortRequest(request_id=request_id), timeout=5.0)
+            for a in addresses
+        ), return_exceptions=True)

@@ -1,0 +1,105 @@
+"""OpenAI request bodies, and their translation to SamplingParams.
+
+Field names and defaults follow OpenAI's API; vLLM's extra sampling fields
+(top_k, min_p, repetition_penalty, ...) are accepted too.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine.sampling_params import SamplingParams
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None
+    # vLLM's extras
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def sampling(self, max_tokens: int, logprobs: int | None,
+                 prompt_logprobs: int | None = None) -> SamplingParams:
+        """Raises ValueError with the same messages as the Python API."""
+        return SamplingParams(
+            n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k,
+            min_p=self.min_p, seed=self.seed, repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            stop_token_ids=list(self.stop_token_ids or []),
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+    logit_bias: dict[str, float] | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        """Plain text content; a list of parts must be text parts only."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        texts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError("only text content parts are supported")
+            texts.append(part["text"])
+        return "".join(texts)
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+    logit_bias: dict[str, float] | None = None
+    add_generation_prompt: bool = True

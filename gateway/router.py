@@ -1,0 +1,192 @@
+"""Which workers exist, how loaded they are, and which to use for a request.
+
+Workers come from configuration and from registration in the state store
+(``tandem:worker:*`` keys with a heartbeat TTL). Every worker is polled with
+``Info``; one that stops answering, or whose registration expires, leaves
+rotation until it answers again. A worker serving a different model than the
+gateway's is refused with a logged error and never routed to.
+
+Decode first: the decode worker with the most free blocks that can hold the
+request. Then the prefill worker: the one the prompt's first block hashes to
+(rendezvous hashing, so repeated prefixes land where they are cached),
+unless its queue is clearly longer than the shortest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from rpc.pool import ChannelPool
+from rpc.protos import worker_pb2, worker_pb2_grpc
+
+logger = logging.getLogger("gateway")
+
+POLL_S = 0.5
+# Prefix affinity yields to load when the preferred worker's queue is longer
+# than the shortest by more than this.
+AFFINITY_SLACK = 4
+
+
+@dataclass
+class WorkerView:
+    address: str
+    role: str = ""
+    worker_id: str = ""
+    free_blocks: int = 0
+    num_blocks: int = 0
+    block_size: int = 16
+    num_running: int = 0
+    num_waiting: int = 0
+    healthy: bool = False
+    refused: str = ""  # why the gateway will not use it
+    draining: bool = False
+    registered: bool = False  # found in the state store rather than configured
+    inflight: int = 0  # requests this gateway has on it now
+    last_seen: float = 0.0
+
+    @property
+    def usable(self) -> bool:
+        return self.healthy and not self.refused and not self.draining
+
+    @property
+    def load(self) -> int:
+        return self.num_running + self.num_waiting + self.inflight
+
+
+@dataclass
+class WorkerPool:
+    channels: ChannelPool
+    fingerprint: str | None
+    static: list[str] = field(default_factory=list)
+    registry_url: str | None = None
+    workers: dict[str, WorkerView] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for address in self.static:
+            self.workers[address] = WorkerView(address)
+        self._task: asyncio.Task | None = None
+        self._redis = None
+        self.changed = asyncio.Event()
+
+    async def start(self) -> None:
+        if self.registry_url:
+            import redis.asyncio as redis
+
+            self._redis = redis.from_url(self.registry_url, decode_responses=True)
+        await self.refresh()
+        self._task = asyncio.ensure_future(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        if self._redis is not None:
+            await self._redis.aclose()
+
+    def stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
+        return worker_pb2_grpc.WorkerStub(self.channels.get(address))
+
+    # ---- discovery and health ----------------------------------------------------------
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(POLL_S)
+            try:
+                await self.refresh()
+            except Exception:
+                logger.exception("worker refresh failed")
+
+    async def refresh(self) -> None:
+        if self._redis is not None:
+            await self._discover()
+        await asyncio.gather(*(self._poll(w) for w in list(self.workers.values())))
+        self.changed.set()
+
+    async def _discover(self) -> None:
+        seen = set()
+        async for key in self._redis.scan_iter(match="tandem:worker:*"):
+            raw = await self._redis.get(key)
+            if raw is None:
+                continue
+            record = json.loads(raw)
+            seen.add(record["address"])
+            if record["address"] not in self.workers:
+                logger.info("discovered %s worker %s at %s", record["role"],
+                            record["worker_id"], record["address"])
+                self.workers[record["address"]] = WorkerView(record["address"], registered=True)
+        for address, w in list(self.workers.items()):
+            if w.registered and address not in seen:
+                logger.info("worker %s stopped heartbeating: out of rotation", address)
+                del self.workers[address]
+
+    async def _poll(self, w: WorkerView) -> None:
+        try:
+            info = await self.stub(w.address).Info(worker_pb2.InfoRequest(), timeout=2.0)
+        except grpc.aio.AioRpcError:
+            if w.healthy:
+                logger.warning("worker %s is not answering: out of rotation", w.address)
+            w.healthy = False
+            return
+        w.role, w.worker_id = info.role, info.worker_id
+        w.free_blocks, w.num_blocks = info.free_blocks, info.num_blocks
+        w.block_size = info.layout.block_size or 16
+        w.num_running, w.num_waiting = info.num_running, info.num_waiting
+        w.draining = info.draining
+        w.healthy, w.last_seen = True, time.monotonic()
+        fp = info.layout.model_fingerprint
+        if self.fingerprint and fp != self.fingerprint and not w.refused:
+            w.refused = (f"serves model fingerprint {fp}, the gateway's model is "
+                         f"{self.fingerprint}")
+            logger.error("refusing worker %s (%s): %s", w.worker_id, w.address, w.refused)
+
+    # ---- choosing ------------------------------------------------------------------------
+
+    def usable(self, roles: tuple[str, ...]) -> list[WorkerView]:
+        return [w for w in self.workers.values() if w.usable and w.role in roles]
+
+    @property
+    def colocated(self) -> bool:
+        """No prefill workers: 'both' workers serve whole requests."""
+        return not self.usable(("prefill",)) and bool(self.usable(("both",)))
+
+    def decode_candidates(self, num_tokens: int, exclude: set[str]) -> list[WorkerView]:
+        """Decode workers that can hold ``num_tokens``, most free blocks first."""
+        roles = ("both",) if self.colocated else ("decode", "both")
+        out = []
+        for w in self.usable(roles):
+            if w.address in exclude:
+                continue
+            needed = -(-num_tokens // w.block_size)
+            if w.free_blocks >= needed:
+                out.append(w)
+        return sorted(out, key=lambda w: (-w.free_blocks, w.load))
+
+    def pick_prefill(self, prompt: list[int], exclude: set[str]) -> WorkerView | None:
+        candidates = [w for w in self.usable(("prefill",)) if w.address not in exclude]
+        if not candidates:
+            return None
+        prefix = prompt[: candidates[0].block_size]
+        key = hashlib.sha256(",".join(map(str, prefix)).encode()).digest()
+
+        def affinity(w: WorkerView) -> bytes:
+            return hashlib.sha256(key + w.address.encode()).digest()
+
+        preferred = max(candidates, key=affinity)
+        least = min(w.load for w in candidates)
+        if preferred.load <= least + AFFINITY_SLACK:
+            return preferred
+        return min(candidates, key=lambda w: (w.load, affinity(w)))
+
+    def snapshot(self) -> list[dict]:
+        return [
+            {"address": w.address, "role": w.role, "worker_id": w.worker_id,
+             "healthy": w.healthy, "refused": w.refused, "free_blocks": w.free_blocks,
+             "load": w.load}
+            for w in self.workers.values()
+        ]

@@ -1,0 +1,188 @@
+"""What the REST and gRPC front ends share: the model's tokenizer and limits,
+admission control, the worker pool, request state and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.config import ModelConfig
+from engine.loader.resolve import model_fingerprint, resolve_model_dir
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+from gateway.metrics import GatewayMetrics
+from gateway.orchestrator import Chunk, Orchestrator
+from gateway.router import WorkerPool
+from gateway.state import make_store
+from rpc.errors import Draining, NotFound, Overloaded
+from rpc.pool import ChannelPool
+
+logger = logging.getLogger("gateway")
+
+
+class ModelNotFound(NotFound):
+    pass
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    model: str | None = None
+    served_model_name: str | None = None
+    prefill: tuple[str, ...] = ()
+    decode: tuple[str, ...] = ()  # decode or 'both' workers
+    state_url: str | None = None  # Redis; None: the in-process store
+    api_key: str | None = None
+    transport: str = "grpc"
+    max_model_len: int | None = None
+    max_active_requests: int = 256
+    lease_ms: int = 30_000
+    max_attempts: int = 3
+    finished_ttl_s: int = 3600
+    drain_grace_s: float = 10.0
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.transport not in ("grpc", "torch"):
+            raise ValueError(f"transport must be 'grpc' or 'torch', got {self.transport!r}")
+        if self.max_active_requests < 1:
+            raise ValueError("max_active_requests must be at least 1")
+
+
+class GatewayService:
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        model_dir = resolve_model_dir(config.model)
+        self.tokenizer = Tokenizer(model_dir)
+        self.model_config = ModelConfig.from_dir(model_dir)
+        self.model_name = config.served_model_name or _default_name(config.model, model_dir)
+        limit = self.model_config.max_model_len
+        self.max_model_len = min(config.max_model_len or limit, limit)
+        self.channels = ChannelPool()
+        self.pool = WorkerPool(self.channels, model_fingerprint(model_dir),
+                               static=[*config.prefill, *config.decode],
+                               registry_url=config.state_url)
+        self.store = make_store(config.state_url, config.finished_ttl_s)
+        self.orchestrator = Orchestrator(self.pool, self.store, config.transport,
+                                         config.lease_ms, config.max_attempts)
+        self.metrics = GatewayMetrics()
+        self.active = 0
+        self.draining = False
+        self.created = int(time.time())
+
+    async def start(self) -> None:
+        await self.pool.start()
+
+    async def stop(self) -> None:
+        await self.pool.stop()
+        await self.store.close()
+        await self.channels.close()
+
+    async def drain(self) -> None:
+        """Refuse new requests (503 / UNAVAILABLE); wait for active ones."""
+        self.draining = True
+        deadline = time.monotonic() + self.config.drain_grace_s
+        while self.active and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+    # ---- validation ---------------------------------------------------------------
+
+    def check_model(self, name: str | None) -> None:
+        if name and name != self.model_name:
+            raise ModelNotFound(f"The model `{name}` does not exist; this server serves "
+                                f"`{self.model_name}`")
+
+    def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return self.tokenizer.encode(prompt)
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        return list(prompt)
+
+    def tokenize_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def default_max_tokens(self, prompt: list[int]) -> int:
+        return max(1, self.max_model_len - len(prompt))
+
+    def check_length(self, prompt: list[int], params: SamplingParams) -> None:
+        total = len(prompt) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {total} tokens ({len(prompt)} in the prompt, "
+                f"{params.max_tokens} for the completion)."
+            )
+
+    # ---- generation ---------------------------------------------------------------------
+
+    async def generate(self, prompt: list[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[Chunk]:
+        """Validated, admitted, measured generation. Raises Draining (503),
+        Overloaded (429) or ValueError (400) before the first chunk."""
+        self.check_length(prompt, params)
+        if self.draining:
+            raise Draining("the server is shutting down")
+        if self.active >= self.config.max_active_requests:
+            self.metrics.rejected.inc()
+            raise Overloaded(f"{self.active} requests in progress; try again shortly")
+        request_id = request_id or f"req-{uuid.uuid4().hex}"
+        self.active += 1
+        self.metrics.running.inc()
+        start = time.monotonic()
+        last: float | None = None
+        first_at: float | None = None
+        counts: dict[int, int] = {}
+        reasons: dict[int, str] = {}
+        finished_ok = False
+        try:
+            async for chunk in self.orchestrator.generate(request_id, prompt, params):
+                now = time.monotonic()
+                if chunk.token_ids:
+                    if last is None:
+                        first_at = now
+                        self.metrics.ttft.observe(now - start)
+                    else:
+                        self.metrics.itl.observe(now - last)
+                    last = now
+                    counts[chunk.index] = counts.get(chunk.index, 0) + len(chunk.token_ids)
+                if chunk.finish_reason:
+                    reasons[chunk.index] = chunk.finish_reason
+                yield chunk
+            finished_ok = True
+        finally:
+            self.active -= 1
+            self.metrics.running.dec()
+            e2e = time.monotonic() - start
+            if finished_ok:
+                self.metrics.e2e.observe(e2e)
+                self.metrics.prompt_tokens.observe(len(prompt))
+                for index, reason in reasons.items():
+                    self.metrics.generation_tokens.observe(counts.get(index, 0))
+                    self.metrics.success.labels(reason).inc()
+            logger.info(
+                "request %s %s: %d prompt tokens, %d generated, %.3fs",
+                request_id, "finished" if finished_ok else "ended early", len(prompt),
+                sum(counts.values()), e2e,
+                extra={"request_id": request_id,
+                       "timings": {"e2e_s": round(e2e, 4), "ttft_s": None if first_at is None
+                                   else round(first_at - start, 4)}},
+            )
+
+
+def _default_name(model: str | None, model_dir: Path) -> str:
+    if model is None:
+        return "SmolLM2-135M-Instruct"
+    path = Path(model)
+    return path.stem if path.suffix == ".gguf" else path.name

@@ -1,0 +1,91 @@
+"""The ``tandem`` command line.
+
+    tandem generate "The capital of France is" --max-tokens 32
+
+One function per subcommand (``_generate``), registered in ``build_parser``
+with its arguments; a new subcommand is one more ``_add_<name>`` and
+function. Heavy imports (torch, the engine) happen inside the command, so
+``tandem --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+Command = Callable[[argparse.Namespace], int]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tandem", description="Tandem: LLM inference with a paged KV cache."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_generate(sub)
+    from tandem import up
+
+    up.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    command: Command = args.run
+    try:
+        return command(args)
+    except (ValueError, FileNotFoundError) as exc:  # bad input: a message, not a traceback
+        print(f"tandem {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+# ---- tandem generate ---------------------------------------------------------------
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="complete one prompt with a model in this process",
+                       description="Complete PROMPT and print the completion as it is generated.")
+    p.add_argument("prompt", help="the text to complete")
+    p.add_argument("--model", default=None,
+                   help="model directory (config.json + safetensors) or .gguf file; "
+                        "default: the bundled SmolLM2-135M-Instruct")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 (the default) is greedy decoding")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.set_defaults(run=_generate)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from engine.sampling_params import SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        seed=args.seed,
+    )
+    device = args.device or _default_device()
+    from tandem.llm import LLM
+
+    llm = LLM(args.model, device=device, dtype="float32" if device == "cpu" else "bfloat16")
+    engine = llm.engine
+    engine.add_request("cli", args.prompt, params)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            sys.stdout.write(out.outputs[0].delta_text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

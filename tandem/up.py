@@ -1,0 +1,99 @@
+"""``tandem up``: a gateway with prefill and decode workers on this machine.
+
+    tandem up --prefill 1 --decode 1 --port 8000
+
+``--prefill 0`` runs colocated workers (each does prefill and decode).
+Prints the URL and a ready-to-paste curl line; Ctrl-C stops everything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+
+from tandem.cluster import LocalCluster
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("up", help="start a local cluster: gateway + prefill + decode workers",
+                       description=__doc__.split("\n\n")[1])
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers (0: colocated)")
+    p.add_argument("--decode", type=int, default=1, help="decode workers")
+    p.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M-Instruct")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="REST port of the gateway")
+    p.add_argument("--grpc-port", type=int, default=50051, help="gRPC port of the gateway")
+    p.add_argument("--transport", default="grpc", choices=["grpc", "torch"])
+    p.add_argument("--state-url", default=None,
+                   help="Redis URL (default: the gateway's in-process store)")
+    p.add_argument("--kv-cache-gib", type=float, default=1.0)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--worker-arg", action="append", default=[],
+                   help="extra flag passed to every worker (repeatable)")
+    p.set_defaults(run=run)
+
+
+def start_cluster(args: argparse.Namespace, cluster: LocalCluster):
+    """Start workers then the gateway; returns the gateway process."""
+    model = ["--model", args.model] if args.model else []
+    common = [*model, "--host", args.host, "--port", "0", "--dtype", args.dtype,
+              "--kv-cache-gib", str(args.kv_cache_gib), *args.worker_arg]
+    if args.state_url:
+        common += ["--state-url", args.state_url]
+    decode_role = "decode" if args.prefill > 0 else "both"
+    prefills = [cluster.start("prefill", [*common, "--transport", args.transport])
+                for _ in range(args.prefill)]
+    decodes = [cluster.start(decode_role, common) for _ in range(args.decode)]
+    gateway_args = [*model, "--host", args.host, "--port", str(args.port),
+                    "--grpc-port", str(args.grpc_port), "--transport", args.transport]
+    for p in prefills:
+        gateway_args += ["--prefill", p.address]
+    for d in decodes:
+        gateway_args += ["--decode", d.address]
+    if args.state_url:
+        gateway_args += ["--state-url", args.state_url]
+    if args.api_key:
+        gateway_args += ["--api-key", args.api_key]
+    return cluster.start("gateway", gateway_args)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.decode < 1 or args.prefill < 0:
+        raise ValueError("need at least one decode worker and no negative counts")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    with LocalCluster(echo=False) as cluster:
+        print(f"starting {args.prefill} prefill + {args.decode} decode worker(s)...",
+              flush=True)
+        gateway = start_cluster(args, cluster)
+        url = f"http://{gateway.address}"
+        body = json.dumps({"model": _served_name(args.model), "max_tokens": 32, "messages": [
+            {"role": "user", "content": "What is the capital of France?"}]})
+        auth = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
+        print(f"\nTandem is serving at {url} (gRPC {gateway.extra.get('grpc')})\n\n"
+              f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
+              f"-d '{body}'\n\nCtrl-C stops it.", flush=True)
+        try:
+            while not stop.wait(0.5):
+                dead = [p for p in cluster.procs if not p.alive]
+                if dead:
+                    print(f"{dead[0].role} process exited:\n{dead[0].output()[-2000:]}",
+                          file=sys.stderr)
+                    return 1
+        except KeyboardInterrupt:
+            pass
+        print("stopping...", flush=True)
+    return 0
+
+
+def _served_name(model: str | None) -> str:
+    from pathlib import Path
+
+    if model is None:
+        return "SmolLM2-135M-Instruct"
+    path = Path(model)
+    return path.stem if path.suffix == ".gguf" else path.name

@@ -249,6 +249,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default="kernels_gpu.json", help="JSON results file")
     parser.add_argument("--peak-bw", type=float, help="device peak memory bandwidth, bytes/s")
     parser.add_argument("--peak-tflops", type=float, help="device peak bf16 dense FLOP/s")
+    parser.add_argument("--skip-engine", action="store_true",
+                        help="skip the end-to-end engine decode run")
     args = parser.parse_args(argv)
 
     if not torch.cuda.is_available():
@@ -297,8 +299,15 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"prefill {case} done", flush=True)
         torch.cuda.empty_cache()
 
+    if not args.skip_engine:
+        from engine_decode_gpu import bench_engine_decode
+
+        result["engine_decode"] = bench_engine_decode([1, 16, 64, 256])
     Path(args.out).write_text(json.dumps(result, indent=2))
     print_tables(result)
+    for r in result.get("engine_decode", []):
+        print(f"engine decode batch {r['batch']:>4}: {r['tokens_per_s']:>9.0f} tok/s"
+              f"  {r['ms_per_step']:.2f} ms/step")
     print(f"\nwrote {args.out}")
     return result
 

@@ -161,12 +161,17 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0
     attention_backend: str = "auto"
+    # "auto": weights from the checkpoint; "dummy": random weights from config.json
+    # alone (benchmarks of model shapes that are not on disk).
+    load_format: str = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(
                 f"attention_backend must be 'auto', 'torch' or 'triton', "

@@ -29,7 +29,8 @@ logger = logging.getLogger("engine")
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.model_dir = resolve_model_dir(config.model)
+        self.model_dir = resolve_model_dir(config.model,
+                                           allow_no_weights=config.load_format == "dummy")
         self.model_config = ModelConfig.from_dir(self.model_dir)
         has_tokenizer = (self.model_dir / "tokenizer.json").is_file()
         self.tokenizer = Tokenizer(self.model_dir) if has_tokenizer else None

@@ -45,7 +45,10 @@ class ModelRunner:
                 self.model = build_model(model_cfg, self.backend, max_model_len)
         finally:
             torch.set_default_dtype(default_dtype)
-        self.model.load_weights(iterate_weights(model_dir))
+        if config.load_format == "dummy":
+            self._init_dummy_weights()
+        else:
+            self.model.load_weights(iterate_weights(model_dir))
         self.model.eval()
         self.num_blocks = self._num_blocks()
         shape = (self.num_blocks, self.block_size, model_cfg.num_kv_heads, model_cfg.head_dim)
@@ -55,6 +58,15 @@ class ModelRunner:
             for _ in range(model_cfg.num_layers)
         ]
         self.generators: dict[str, torch.Generator] = {}
+
+    @torch.no_grad()
+    def _init_dummy_weights(self) -> None:
+        gen = torch.Generator(device=self.device).manual_seed(self.config.seed)
+        for name, param in self.model.named_parameters():
+            if "norm" in name:
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02, generator=gen)
 
     @property
     def block_bytes(self) -> int:

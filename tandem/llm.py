@@ -29,6 +29,7 @@ def engine_config(
     gpu_memory_utilization: float = 0.9,
     num_blocks: int | None = None,
     attention_backend: str = "auto",
+    load_format: str = "auto",
     max_n: int = 16,
 ) -> EngineConfig:
     """Build an EngineConfig from vLLM-style keyword arguments."""
@@ -38,6 +39,7 @@ def engine_config(
         device=device,
         seed=seed,
         attention_backend=attention_backend,
+        load_format=load_format,
         cache=CacheConfig(
             block_size=block_size, kv_cache_bytes=kv_cache_bytes,
             gpu_memory_utilization=gpu_memory_utilization, num_blocks=num_blocks,

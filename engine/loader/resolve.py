@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 
-def resolve_model_dir(model: str | Path | None) -> Path:
+def resolve_model_dir(model: str | Path | None, allow_no_weights: bool = False) -> Path:
     """A directory with config.json and safetensors, whatever was named.
 
     ``None`` means the bundled default model; a ``.gguf`` file (or a
@@ -25,7 +25,7 @@ def resolve_model_dir(model: str | Path | None) -> Path:
             raise ValueError(f"{path} is not a model: give a directory or a .gguf file")
         return convert_gguf(path)
     if (path / "config.json").is_file():
-        if not safetensors_files(path):
+        if not safetensors_files(path) and not allow_no_weights:
             raise ValueError(f"{path} has a config.json but no .safetensors weights")
         return path
     ggufs = sorted(path.glob("*.gguf"))

@@ -37,6 +37,8 @@ class DecodeWorker(WorkerBase):
             lambda t, n, s, ok: self.metrics.observe_transfer(t, "recv", n, s, ok)
         )
         self.leases: dict[str, float] = {}  # request id -> monotonic expiry
+        # Reservations being made -> whether an Abort came meanwhile.
+        self._reserving: dict[str, bool] = {}
         self._reaper: asyncio.Task | None = None
 
     def transports(self) -> list[str]:
@@ -62,7 +64,22 @@ class DecodeWorker(WorkerBase):
             engine.outputs.add(request_id, None, [seq])
             return list(seq.block_ids)
 
-        block_ids = await self.aengine.run(op)
+        if request_id in self._reserving:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        # NOTE: the reservation lands on the engine thread; until this coroutine
+        # registers its lease, an Abort or a cancelled call would leave its
+        # blocks held by nobody. Both are caught here and the blocks freed.
+        self._reserving[request_id] = False
+        try:
+            block_ids = await self.aengine.run(op)
+        except asyncio.CancelledError:
+            asyncio.ensure_future(self.aengine.abort(request_id))  # after the op, if it lands
+            raise
+        finally:
+            aborted = self._reserving.pop(request_id)
+        if aborted:
+            # The Abort's own engine call runs after the reservation and frees it.
+            raise NotFound(f"request {request_id!r} was aborted while its blocks were reserved")
         if block_ids is None:
             raise Overloaded(
                 f"no room for {len(tokens)} prompt tokens "
@@ -86,6 +103,9 @@ class DecodeWorker(WorkerBase):
 
     async def open_group(self, req: worker_pb2.OpenTransferGroupRequest) -> None:
         await self.receiver.open_group(req)
+
+    async def receive_preflight(self, chunks) -> int:
+        return await self.receiver.receive_preflight(chunks)
 
     # ---- decoding -------------------------------------------------------------------
 
@@ -184,6 +204,8 @@ class DecodeWorker(WorkerBase):
     # ---- leases and aborts ------------------------------------------------------------
 
     async def abort(self, request_id: str) -> bool:
+        if request_id in self._reserving:
+            self._reserving[request_id] = True
         if self.leases.pop(request_id, None) is not None:
             self.metrics.reservations_held.set(len(self.leases))
         if not self.receiver.cancel(request_id):

@@ -9,6 +9,7 @@ at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import uuid
@@ -59,8 +60,12 @@ class AsyncEngine:
             engine.outputs.add(request_id, prompt_text, seqs)
             engine.scheduler.add_request(seqs[0])
 
-        async for out in self.stream(request_id, add):
-            yield out
+        # NOTE: aclosing, so that closing this generator closes the stream at
+        # once (its finally aborts the request) instead of whenever the
+        # garbage collector finalizes it.
+        async with contextlib.aclosing(self.stream(request_id, add)) as stream:
+            async for out in stream:
+                yield out
 
     async def stream(
         self, request_id: str, add: Callable[[LLMEngine], list[RequestOutput] | None]
@@ -163,6 +168,15 @@ class AsyncEngine:
                 else:
                     future.set_exception(value)
             self._dispatch(outputs)
+            if not self.engine.scheduler.num_running:
+                # NOTE: requests wait but none fits (their blocks are held, e.g.
+                # by reservations): only an op can change that, so wait for one
+                # instead of spinning a core on empty steps.
+                self._wake.clear()
+                with self._ops_lock:
+                    idle = not self._ops
+                if idle:
+                    await self._wake.wait()
 
     def _tick(self, ops) -> tuple[list[tuple[bool, Any]], list[RequestOutput]]:
         results, outputs = [], []

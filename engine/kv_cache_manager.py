@@ -28,6 +28,8 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self.enable_prefix_caching = enable_prefix_caching
         self._blocks: dict[str, list[KVBlock]] = {}
+        # How many of each request's blocks are published to the prefix cache.
+        self._num_cached: dict[str, int] = {}
         self.prefix_queries = 0  # tokens looked up in the prefix cache
         self.prefix_hits = 0  # of those, tokens found
 
@@ -84,6 +86,10 @@ class KVCacheManager:
         num_needed = self.num_blocks_for(num_computed + num_new_tokens) - len(held) - len(
             computed_blocks
         )
+        if num_needed <= 0 and not computed_blocks:  # a decode with room in its last block
+            if cache_new_blocks:
+                self.cache_blocks(request, num_computed + num_new_tokens)
+            return True
         # Cache hits that sit in the free queue stop being free once touched.
         num_revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
         if num_needed > self.pool.num_free_blocks - num_revived:
@@ -104,10 +110,17 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         num_full = min(num_tokens, request.num_tokens) // self.block_size
+        # NOTE: from the first block not yet published, not from 0: every
+        # decode step calls this, and a walk over the whole table would make
+        # each step cost O(context).
+        done = self._num_cached.get(request.request_id, 0)
+        if num_full <= done:
+            return
         self._update_hashes(request, num_full * self.block_size)
         blocks = self._blocks[request.request_id]
-        for i in range(num_full):
+        for i in range(done, num_full):
             self.pool.cache(blocks[i], request.block_hashes[i])
+        self._num_cached[request.request_id] = num_full
 
     def fork(self, parent: Request, child: Request, num_tokens: int) -> None:
         """Share the parent's first ``num_tokens // block_size`` blocks with a
@@ -121,6 +134,7 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Return all of a request's blocks. Safe to call twice."""
         blocks = self._blocks.pop(request.request_id, None)
+        self._num_cached.pop(request.request_id, None)
         if blocks:
             self.pool.free(list(reversed(blocks)))
         request.block_ids = []

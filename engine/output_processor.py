@@ -92,11 +92,19 @@ class OutputProcessor:
 
     def skip_sent(self, request_id: str, num_tokens: int) -> None:
         """The first ``num_tokens`` output tokens were sent by an earlier
-        attempt (a migrated request): output only what follows them."""
+        attempt (a migrated request): output only what follows them.
+
+        NOTE: the detokenizer replays them rather than restarting after them:
+        the earlier attempt may have held back text (half of a multi-byte
+        character, a possible stop-string prefix) that the client has not
+        seen; replayed, it is held back here too and sent once complete."""
         for comp in self.groups[request_id].completions:
             comp.num_tokens_sent = comp.num_decoded = num_tokens
             if comp.detok is not None:
-                comp.detok.restart(comp.request.token_ids)
+                start = comp.request.num_prompt_tokens
+                for token in comp.request.token_ids[start : start + num_tokens]:
+                    comp.detok.add(token)
+                comp.detok.take(final=False)  # what the earlier attempt sent
 
     def abort(self, request_id: str) -> RequestOutput | None:
         group = self.groups.get(request_id)
@@ -129,7 +137,7 @@ class OutputProcessor:
             if comp.detok is not None and not finished:
                 text = text[: comp.detok.num_emitted]
             outs.append(CompletionOutput(
-                index=seq.index, text=text, token_ids=list(token_ids),
+                index=seq.index, text=text, token_ids=token_ids,  # a fresh slice already
                 finish_reason=comp.finish_reason, stop_reason=comp.stop_reason,
                 logprobs=list(seq.logprobs[: len(token_ids)]) if seq.params.logprobs is not None
                 else None,

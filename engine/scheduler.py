@@ -136,9 +136,11 @@ class Scheduler:
                 self._fork_children(request)
             self.check_stop(request, token)
             changed.append(request)
-        for request in changed:
-            if request.finished:
-                self._remove_running(request)
+        finished = [r for r in changed if r.finished]
+        if finished:
+            # One pass over `running`, not a list.remove per finished request.
+            self.running = [r for r in self.running if not r.finished]
+            for request in finished:
                 self._release(request)
         return changed
 

@@ -65,8 +65,11 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if first.get("type") == "json_invalid":
         return "the request body is not valid JSON", None
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
-    return (f"{param}: {first.get('msg')}" if param else str(first.get("msg"))), param
+    path = ".".join(loc)
+    # OpenAI's `param` names the top-level field; the message has the full path
+    # (which for a union includes the member tried, e.g. prompt.str).
+    param = loc[0] if loc else None
+    return (f"{path}: {first.get('msg')}" if path else str(first.get("msg"))), param
 
 
 def build_app(service: GatewayService) -> FastAPI:
@@ -77,8 +80,18 @@ def build_app(service: GatewayService) -> FastAPI:
         message, param = _validation_message(exc)
         return JSONResponse(error_body(message, "invalid_request_error", None, param), 400)
 
+    async def _known(request: Request, exc: Exception):
+        return error_response(exc)
+
+    # NOTE: the expected errors get their own handlers. A handler for
+    # Exception alone runs in Starlette's ServerErrorMiddleware, which sends
+    # the response and then re-raises: uvicorn logs a traceback for every 400
+    # and drops the connection, so clients saw "connection reset" instead.
+    for cls in (ValueError, TandemError, Unauthorized):
+        app.add_exception_handler(cls, _known)
+
     @app.exception_handler(Exception)
-    async def _any(request: Request, exc: Exception):
+    async def _any(request: Request, exc: Exception):  # unexpected: 500, and logged
         return error_response(exc)
 
     @app.middleware("http")
@@ -143,7 +156,9 @@ def build_app(service: GatewayService) -> FastAPI:
             raise ValueError("tools and logit_bias are not supported")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         tokens = service.tokenize_chat(messages, body.add_generation_prompt)
-        max_tokens = body.max_completion_tokens or body.max_tokens
+        # NOTE: not `or`: an explicit 0 is invalid (400), not "unset".
+        max_tokens = (body.max_completion_tokens if body.max_completion_tokens is not None
+                      else body.max_tokens)
         if max_tokens is None:
             max_tokens = service.default_max_tokens(tokens)
         top = body.top_logprobs if body.logprobs else None

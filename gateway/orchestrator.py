@@ -83,6 +83,7 @@ class Orchestrator:
         self.transport = transport
         self.lease_ms = lease_ms
         self.max_attempts = max_attempts
+        self._winding_up: set[asyncio.Task] = set()  # strong references until done
 
     async def generate(self, request_id: str, prompt: list[int],
                        params: SamplingParams) -> AsyncIterator[Chunk]:
@@ -118,8 +119,19 @@ class Orchestrator:
         finally:
             for t in tasks:
                 t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            await asyncio.shield(self._finish(request_id, seqs, final))
+            # NOTE: wound up in a task of its own. Starlette cancels a
+            # disconnected client's stream with an anyio cancel scope, which
+            # cancels every await made here again: awaited in place, the final
+            # state (ABORTED) was never written.
+            wind_up = asyncio.ensure_future(self._wind_up(tasks, request_id, seqs, final))
+            self._winding_up.add(wind_up)
+            wind_up.add_done_callback(self._winding_up.discard)
+            await asyncio.shield(wind_up)
+
+    async def _wind_up(self, tasks: list[asyncio.Task], request_id: str, seqs: list[Sequence],
+                       final: State) -> None:
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._finish(request_id, seqs, final)
 
     async def _pump(self, seq: Sequence, queue: asyncio.Queue) -> None:
         try:

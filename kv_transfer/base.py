@@ -3,10 +3,17 @@ a method of ``KVReceiver`` that the decode worker's servicer calls."""
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 from kv_transfer.layout import TransferStats
 from rpc.protos import worker_pb2
+
+logger = logging.getLogger("kv_transfer")
+
+# What a preflight pushes through a transport to measure its bandwidth.
+PREFLIGHT_BYTES = 8 << 20
 
 
 class KVSender(ABC):
@@ -15,11 +22,23 @@ class KVSender(ABC):
 
     Contract: returns only once the decode worker has acknowledged every
     byte; raises on any failure (the caller retries or fails the request).
-    The source blocks must stay untouched until it returns. The caller has
-    already checked the decode worker's layout against its own.
+    The source blocks must stay untouched until it returns, cancellation
+    included. The caller has already checked the decode worker's layout
+    against its own.
+
+    Preflight: the first time a sender reaches a decode worker it pushes
+    ``PREFLIGHT_BYTES`` of filler that the peer drops, and reports the
+    bandwidth to ``on_preflight`` observers (metrics, logs). A failed
+    preflight is logged, never fatal: the transfer itself decides.
     """
 
     name: str
+
+    def __init__(self) -> None:
+        # Decode worker id -> bytes/s measured at first contact (None: failed).
+        self.bandwidth: dict[str, float | None] = {}
+        # Observers of preflights: (transport, peer worker id, bytes per second).
+        self.on_preflight: list[Callable[[str, str, float], None]] = []
 
     @abstractmethod
     async def send(
@@ -28,3 +47,15 @@ class KVSender(ABC):
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         pass
+
+    def report_preflight(self, peer: str, nbytes: int, seconds: float | None) -> None:
+        """Record a preflight's result (``seconds`` None: it failed)."""
+        if seconds is None:
+            self.bandwidth[peer] = None
+            return
+        rate = nbytes / max(seconds, 1e-9)
+        self.bandwidth[peer] = rate
+        logger.info("preflight %s -> %s: %.1f MiB in %.1f ms = %.0f MiB/s", self.name, peer,
+                    nbytes / 2**20, seconds * 1e3, rate / 2**20)
+        for fn in self.on_preflight:
+            fn(self.name, peer, rate)

@@ -20,6 +20,10 @@ class BlockIO:
     def device(self) -> torch.device:
         return self.kv_caches[0][0].device
 
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_caches[0][0].shape[0]
+
     def read(self, block_ids: list[int]) -> torch.Tensor:
         """All layers: ``[num_layers, 2, n, block_size, kv_heads, head_dim]``."""
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)

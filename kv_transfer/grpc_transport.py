@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 
-from kv_transfer.base import KVSender
+import grpc
+
+from kv_transfer.base import PREFLIGHT_BYTES, KVSender
 from kv_transfer.block_io import BlockIO, to_bytes
 from kv_transfer.layout import KVLayout, TransferStats
 from rpc.channel import MAX_MESSAGE_BYTES
+from rpc.errors import peer_error
 from rpc.pool import ChannelPool
 from rpc.protos import worker_pb2, worker_pb2_grpc
+
+logger = logging.getLogger("kv_transfer")
 
 CHUNK_BYTES = 4 << 20
 
@@ -18,17 +25,20 @@ class GrpcSender(KVSender):
     name = "grpc"
 
     def __init__(self, io: BlockIO, layout: KVLayout, channels: ChannelPool) -> None:
+        super().__init__()
         self.io = io
         self.layout = layout
         self.channels = channels
         per_block = layout.block_bytes_per_layer
         self.blocks_per_chunk = max(1, min(CHUNK_BYTES, MAX_MESSAGE_BYTES // 2) // per_block)
+        self._preflight_locks: dict[str, asyncio.Lock] = {}
 
     async def send(self, request_id, ticket, src_block_ids) -> TransferStats:
         if len(src_block_ids) != len(ticket.block_ids):
             raise ValueError(
                 f"{len(src_block_ids)} source blocks for a ticket of {len(ticket.block_ids)}"
             )
+        await self._first_contact(ticket)
         stub = worker_pb2_grpc.WorkerStub(self.channels.get(ticket.decode_address))
         start = time.perf_counter()
         header = self.layout.to_proto()
@@ -46,5 +56,31 @@ class GrpcSender(KVSender):
                     )
                     first = False
 
-        reply = await stub.PushKV(chunks())
+        try:
+            reply = await stub.PushKV(chunks())
+        except grpc.aio.AioRpcError as err:
+            raise peer_error(err, f"decode worker {ticket.decode_worker_id}") from None
         return TransferStats("grpc", reply.bytes_received, time.perf_counter() - start)
+
+    async def _first_contact(self, ticket: worker_pb2.Ticket) -> None:
+        peer = ticket.decode_worker_id
+        if peer in self.bandwidth:
+            return
+        async with self._preflight_locks.setdefault(peer, asyncio.Lock()):
+            if peer in self.bandwidth:
+                return
+            stub = worker_pb2_grpc.WorkerStub(self.channels.get(ticket.decode_address))
+            filler = bytes(CHUNK_BYTES)
+
+            def chunks():
+                for lo in range(0, PREFLIGHT_BYTES, CHUNK_BYTES):
+                    yield worker_pb2.PreflightChunk(data=filler[: PREFLIGHT_BYTES - lo])
+
+            start = time.perf_counter()
+            try:
+                await stub.Preflight(chunks(), timeout=30)
+            except grpc.aio.AioRpcError as err:
+                logger.warning("grpc preflight to %s failed: %s", peer, err.details())
+                self.report_preflight(peer, PREFLIGHT_BYTES, None)
+                return
+            self.report_preflight(peer, PREFLIGHT_BYTES, time.perf_counter() - start)

@@ -10,15 +10,24 @@ are never written.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+import torch
+
 from kv_transfer.block_io import BlockIO, from_bytes
 from kv_transfer.layout import KVLayout
-from kv_transfer.torch_transport import PairGroup, join_group, transfer_tag
+from kv_transfer.torch_transport import PREFLIGHT_TAG, PairGroup, join_group, transfer_tag
 from rpc.errors import Fenced, NotFound
 from rpc.protos import worker_pb2
+
+logger = logging.getLogger("kv_transfer")
+
+# Largest preflight payload a decode worker accepts to receive and drop.
+MAX_PREFLIGHT_BYTES = 64 << 20
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -99,28 +108,50 @@ class KVReceiver:
     # ---- torch.distributed transport ----------------------------------------------------
 
     async def open_group(self, req: worker_pb2.OpenTransferGroupRequest) -> None:
+        if req.preflight_bytes > MAX_PREFLIGHT_BYTES:
+            raise ValueError(f"preflight of {req.preflight_bytes} bytes; at most "
+                             f"{MAX_PREFLIGHT_BYTES}")
         loop = asyncio.get_running_loop()
         group = await loop.run_in_executor(
             None, join_group, req.store_address, req.group_name, self.io.device
         )
+        pair = PairGroup(group)
         old = self.groups.get(req.prefill_worker_id)
-        self.groups[req.prefill_worker_id] = PairGroup(group)
+        self.groups[req.prefill_worker_id] = pair
         if old is not None:
             old.thread.shutdown(wait=False)
+        if req.preflight_bytes:
+            # Queued first on the pair's thread, so it pairs with the sender's
+            # preflight before any transfer; the sender times the round trip.
+            payload = torch.empty(req.preflight_bytes, dtype=torch.uint8, device=self.io.device)
+            ack = torch.ones(1, dtype=torch.uint8, device=self.io.device)
+
+            def drop_and_answer() -> None:
+                pair.recv(payload, 0, PREFLIGHT_TAG)
+                pair.send(ack, 0, PREFLIGHT_TAG)
+
+            pair.submit(drop_and_answer).add_done_callback(_log_failure("torch preflight"))
 
     async def receive_torch(self, req: worker_pb2.ExpectKVRequest) -> int:
-        self.layout.check_compatible(KVLayout.from_proto(req.layout), "sender")
         pair = self.groups.get(req.prefill_worker_id)
-        if pair is None:
+        if pair is None or pair.broken:
             raise NotFound(f"no transfer group with prefill worker {req.prefill_worker_id!r}")
-        r = self._begin(req.request_id, req.attempt)
+        tag = transfer_tag(req.request_id)
+        try:
+            self.layout.check_compatible(KVLayout.from_proto(req.layout), "sender")
+            r = self._begin(req.request_id, req.attempt)
+        except Exception:
+            # NOTE: the sender's send is already posted: take its bytes and drop
+            # them, or it waits for gloo's timeout and the pair closes for good.
+            await self._drop_torch(pair, req, tag)
+            raise
         start = time.perf_counter()
         try:
             if req.num_blocks != len(r.block_ids):
+                await self._drop_torch(pair, req, tag)
                 raise ValueError(f"{req.num_blocks} blocks announced, {len(r.block_ids)} reserved")
             buf = self.io.empty(self.layout.num_layers, req.num_blocks)
-            tag = transfer_tag(req.request_id)
-            await pair.run(lambda: pair.group.recv([buf], 0, tag).wait())
+            await pair.run(pair.recv, buf, 0, tag)
             self._check_live(req.request_id, r)
             await pair.run(self.io.write, r.block_ids, buf)
             r.bytes_received = buf.numel() * buf.element_size()
@@ -128,6 +159,34 @@ class KVReceiver:
         except BaseException:
             self._abandon(req.request_id, r, "torch", start)
             raise
+
+    async def _drop_torch(self, pair: PairGroup, req: worker_pb2.ExpectKVRequest,
+                          tag: int) -> None:
+        """Receive a refused transfer's bytes into scratch memory. Skipped
+        (the sender then times out) when the announced size is not sane."""
+        dtype = TORCH_DTYPES.get(req.layout.dtype)
+        if dtype is None or not 0 < req.num_blocks <= self.io.num_blocks:
+            return
+        sender = KVLayout.from_proto(req.layout)
+        nbytes = req.num_blocks * sender.block_bytes_per_layer * sender.num_layers
+        if nbytes > 2 * req.num_blocks * self.layout.block_bytes_per_layer * self.layout.num_layers:
+            return
+        itemsize = torch.finfo(dtype).bits // 8
+        scratch = torch.empty(nbytes // itemsize, dtype=dtype, device=self.io.device)
+        try:
+            await pair.run(pair.recv, scratch, 0, tag)
+        except Exception as exc:
+            logger.warning("could not drop a refused transfer of %s: %s", req.request_id, exc)
+
+    # ---- grpc preflight ---------------------------------------------------------------------
+
+    async def receive_preflight(self, chunks: AsyncIterator[worker_pb2.PreflightChunk]) -> int:
+        received = 0
+        async for chunk in chunks:
+            received += len(chunk.data)
+            if received > MAX_PREFLIGHT_BYTES:
+                raise ValueError(f"preflight of more than {MAX_PREFLIGHT_BYTES} bytes")
+        return received
 
     # ---- internals --------------------------------------------------------------------------
 
@@ -172,3 +231,11 @@ class KVReceiver:
     def _notify(self, transport: str, nbytes: int, start: float, ok: bool) -> None:
         for fn in self.on_transfer:
             fn(transport, nbytes, time.perf_counter() - start, ok)
+
+
+def _log_failure(what: str):
+    def callback(future) -> None:
+        if not future.cancelled() and future.exception() is not None:
+            logger.warning("%s failed: %s", what, future.exception())
+
+    return callback

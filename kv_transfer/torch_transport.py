@@ -3,32 +3,48 @@
 Each prefill/decode pair gets its own two-rank process group, created on
 first use and reused: the prefill worker hosts a TCPStore, asks the decode
 worker (OpenTransferGroup) to join under a per-pair prefix, and both build
-the group. A transfer is an ExpectKV call (the decode side posts a receive
-and answers once the bytes are in its blocks) plus one send of all layers.
-Transfers of one pair run one at a time, so sends and receives pair up.
+the group; a preflight then times a payload over it. A transfer is an
+ExpectKV call (the decode side posts a receive and answers once the bytes
+are in its blocks) plus one send of all layers. Transfers of one pair run
+one at a time, so sends and receives pair up.
+
+Invariant: every send is matched by a receive. An unmatched gloo operation
+waits for the timeout and then closes the pair for every later transfer, so
+(1) once the prefill side has read the blocks, the transfer runs to its end
+even if the caller is cancelled, and (2) a decode worker that refuses the
+KV still receives the bytes (and drops them). A pair that fails anyway is
+marked broken and replaced on next use.
 """
 
 from __future__ import annotations
 
 import asyncio
 import datetime
-import threading
+import logging
 import time
 import uuid
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import grpc
 import torch
 import torch.distributed as dist
 
-from kv_transfer.base import KVSender
+from kv_transfer.base import PREFLIGHT_BYTES, KVSender
 from kv_transfer.block_io import BlockIO
 from kv_transfer.layout import KVLayout, TransferStats
+from rpc.errors import peer_error
 from rpc.pool import ChannelPool
 from rpc.protos import worker_pb2, worker_pb2_grpc
 
+logger = logging.getLogger("kv_transfer")
+
 TIMEOUT = datetime.timedelta(seconds=30)
+PREFLIGHT_TAG = 0x7FFFFFFF  # first operation on a fresh pair: no transfer is in flight
+# How long a sender waits for its send after the decode worker refused the KV:
+# the refusal arrives once the dropped bytes are in, so this is only slack.
+REFUSED_SEND_WAIT_S = 5.0
 
 
 def transfer_tag(request_id: str) -> int:
@@ -53,9 +69,28 @@ class PairGroup:
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="kv-pair")
     )
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    broken: bool = False  # an operation failed: gloo has closed the pair
 
     async def run(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.thread, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self.thread, self._guard, fn,
+                                                                args)
+
+    def submit(self, fn, *args):
+        """Queue ``fn`` on the pair's thread without waiting (after whatever is queued)."""
+        return self.thread.submit(self._guard, fn, args)
+
+    def _guard(self, fn, args):
+        try:
+            return fn(*args)
+        except BaseException:
+            self.broken = True
+            raise
+
+    def send(self, t: torch.Tensor, peer: int, tag: int) -> None:
+        self.group.send([t], peer, tag).wait()
+
+    def recv(self, t: torch.Tensor, peer: int, tag: int) -> None:
+        self.group.recv([t], peer, tag).wait()
 
 
 class TorchSender(KVSender):
@@ -63,6 +98,7 @@ class TorchSender(KVSender):
 
     def __init__(self, io: BlockIO, layout: KVLayout, channels: ChannelPool,
                  worker_id: str, host: str = "127.0.0.1") -> None:
+        super().__init__()
         self.io = io
         self.layout = layout
         self.channels = channels
@@ -70,7 +106,6 @@ class TorchSender(KVSender):
         self.host = host
         self._store: dist.TCPStore | None = None
         self._groups: dict[str, PairGroup] = {}
-        self._opening = threading.Lock()
         self._open_locks: dict[str, asyncio.Lock] = {}
 
     @property
@@ -84,8 +119,13 @@ class TorchSender(KVSender):
         key = ticket.decode_worker_id
         lock = self._open_locks.setdefault(key, asyncio.Lock())
         async with lock:
-            if key in self._groups:
-                return self._groups[key]
+            pair = self._groups.get(key)
+            if pair is not None and not pair.broken:
+                return pair
+            if pair is not None:
+                logger.warning("transfer group with %s is broken: opening a new one", key)
+                pair.thread.shutdown(wait=False)
+                del self._groups[key]
             name = f"kv/{self.worker_id}/{key}/{uuid.uuid4().hex[:8]}"
             prefix = dist.PrefixStore(name, self.store)
             loop = asyncio.get_running_loop()
@@ -95,30 +135,82 @@ class TorchSender(KVSender):
                 await stub.OpenTransferGroup(worker_pb2.OpenTransferGroupRequest(
                     prefill_worker_id=self.worker_id,
                     store_address=f"{self.host}:{self.store.port}", group_name=name,
+                    preflight_bytes=PREFLIGHT_BYTES,
                 ))
+            except grpc.aio.AioRpcError as err:
+                raise peer_error(err, f"decode worker {key}") from None
             finally:
                 group = await building  # gloo fails by itself after TIMEOUT if the peer never joins
-            self._groups[key] = PairGroup(group)
-            return self._groups[key]
+            pair = self._groups[key] = PairGroup(group)
+            await self._preflight(pair, key)
+            return pair
+
+    async def _preflight(self, pair: PairGroup, peer: str) -> None:
+        """The decode worker queued the matching receive and a one-byte answer
+        when it joined (``KVReceiver.open_group``)."""
+        payload = torch.zeros(PREFLIGHT_BYTES, dtype=torch.uint8, device=self.io.device)
+        ack = torch.empty(1, dtype=torch.uint8, device=self.io.device)
+
+        def exchange() -> float:
+            start = time.perf_counter()
+            pair.send(payload, 1, PREFLIGHT_TAG)
+            pair.recv(ack, 1, PREFLIGHT_TAG)
+            return time.perf_counter() - start
+
+        try:
+            seconds = await pair.run(exchange)
+        except Exception as exc:
+            logger.warning("torch preflight to %s failed: %s", peer, exc)
+            self.report_preflight(peer, PREFLIGHT_BYTES, None)
+            return
+        self.report_preflight(peer, PREFLIGHT_BYTES, seconds)
 
     async def send(self, request_id, ticket, src_block_ids) -> TransferStats:
         pair = await self._pair(ticket)
+        transfer = asyncio.ensure_future(self._transfer(pair, request_id, ticket, src_block_ids))
+        try:
+            return await asyncio.shield(transfer)
+        except asyncio.CancelledError:
+            # NOTE: the caller frees the source blocks when this returns, and an
+            # abandoned half of a send/receive pair would break the pair: let
+            # the transfer finish (gloo's timeout bounds it) before unwinding.
+            await asyncio.wait([transfer])
+            raise
+
+    async def _transfer(self, pair: PairGroup, request_id: str, ticket: worker_pb2.Ticket,
+                        src_block_ids: list[int]) -> TransferStats:
+        peer = f"decode worker {ticket.decode_worker_id}"
         stub = worker_pb2_grpc.WorkerStub(self.channels.get(ticket.decode_address))
-        start = time.perf_counter()
+        tag = transfer_tag(request_id)
         async with pair.lock:
+            start = time.perf_counter()
             data = await pair.run(self.io.read, src_block_ids)
             expect = asyncio.ensure_future(stub.ExpectKV(worker_pb2.ExpectKVRequest(
                 request_id=request_id, prefill_worker_id=self.worker_id,
                 layout=self.layout.to_proto(), num_blocks=len(src_block_ids),
                 attempt=ticket.attempt,
             )))
-            tag = transfer_tag(request_id)
+            sending = asyncio.ensure_future(pair.run(pair.send, data, 1, tag))
+            await asyncio.wait([expect, sending], return_when=asyncio.FIRST_EXCEPTION)
+            if expect.done() and expect.exception() is not None:
+                # A refusing decode worker drops the bytes, so the send ends too;
+                # if it does not, the pair is unusable: open a new one next time.
+                done, _ = await asyncio.wait([sending], timeout=REFUSED_SEND_WAIT_S)
+                if not done:
+                    pair.broken = True
+                    sending.add_done_callback(lambda f: f.exception())
+                err = expect.exception()
+                if isinstance(err, grpc.aio.AioRpcError):
+                    raise peer_error(err, peer) from None
+                raise err
+            if sending.exception() is not None:
+                # gloo failed (and closed the pair): the receive fails as well.
+                expect.add_done_callback(lambda f: f.cancelled() or f.exception())
+                raise sending.exception()
             try:
-                await pair.run(lambda: pair.group.send([data], 1, tag).wait())
-            except BaseException:
-                expect.cancel()
-                raise
-            reply = await expect
+                reply = await expect
+            except grpc.aio.AioRpcError as err:
+                raise peer_error(err, peer) from None
         return TransferStats("torch", reply.bytes_received, time.perf_counter() - start)
 
 

@@ -7,8 +7,11 @@ from worker.main import run
 
 
 def main(argv: list[str] | None = None) -> None:
+    # The TCPStore of the torch transport listens on every interface; peers
+    # reach it at the advertised host.
     run(lambda engine, wid, addr, args: PrefillWorker(
-            engine, wid, addr, default_transport=args.transport, host=args.host),
+            engine, wid, addr, default_transport=args.transport,
+            host=args.advertise_host or args.host),
         "Tandem prefill worker", ["prefill"], argv)
 
 

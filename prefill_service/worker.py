@@ -5,6 +5,7 @@ side has acknowledged the KV. Its blocks are freed right after."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -37,9 +38,22 @@ class PrefillWorker(WorkerBase):
         if default_transport not in self.senders:
             raise ValueError(f"unknown transport {default_transport!r}; choose grpc or torch")
         self.default_transport = default_transport
+        for sender in self.senders.values():
+            sender.on_preflight.append(
+                lambda transport, peer, rate: self.metrics.peer_bandwidth.labels(
+                    transport, peer).set(rate)
+            )
+        # Transfers in flight by request id, so that an Abort stops them.
+        self.transfers: dict[str, asyncio.Task] = {}
 
     def transports(self) -> list[str]:
         return list(self.senders)
+
+    async def abort(self, request_id: str) -> bool:
+        transfer = self.transfers.get(request_id)
+        if transfer is not None:
+            transfer.cancel()  # the sender returns once the source blocks are free to go
+        return await super().abort(request_id)
 
     async def prefill(self, req: worker_pb2.PrefillRequest) -> worker_pb2.PrefillResponse:
         self.check_accepting()
@@ -65,6 +79,10 @@ class PrefillWorker(WorkerBase):
             params, max_tokens=1, min_tokens=min(params.min_tokens, 1), stop=[],
         )
         request_id = req.request_id
+        if request_id in self.inflight:
+            # NOTE: checked here, not left to the engine: the cleanup below
+            # would free the blocks of the other request that holds this id.
+            raise ValueError(f"request id {request_id!r} is already in use")
         holder = {}
 
         def add(engine: LLMEngine) -> None:
@@ -84,7 +102,16 @@ class PrefillWorker(WorkerBase):
                 raise Fenced(f"request {request_id!r} was aborted during prefill")
             comp = final.outputs[0]
             first_token = comp.token_ids[0]
-            stats = await sender.send(request_id, ticket, list(seq.block_ids))
+            transfer = asyncio.ensure_future(sender.send(request_id, ticket, list(seq.block_ids)))
+            self.transfers[request_id] = transfer
+            try:
+                stats = await transfer
+            except asyncio.CancelledError:
+                if asyncio.current_task().cancelling():
+                    raise  # the call itself was cancelled
+                raise Fenced(f"request {request_id!r} was aborted during the KV transfer") from None
+            finally:
+                self.transfers.pop(request_id, None)
             self.metrics.observe_transfer(stats.transport, "send", stats.bytes, stats.seconds,
                                           True)
         except Exception:
@@ -93,7 +120,7 @@ class PrefillWorker(WorkerBase):
             raise
         finally:
             self.inflight.discard(request_id)
-            await self.aengine.run(lambda e: e.scheduler.release_held(request_id))
+            await self.aengine.run(lambda e: _release(e, request_id, holder.get("seq")))
         resp = worker_pb2.PrefillResponse(
             first_token_id=first_token, num_cached_tokens=final.num_cached_tokens,
             kv_bytes=stats.bytes, transfer_seconds=stats.seconds,
@@ -112,3 +139,19 @@ class PrefillWorker(WorkerBase):
             await sender.close()
         await self.channels.close()
         await super().close()
+
+
+def _release(engine: LLMEngine, request_id: str, seq) -> None:
+    """Free a prefill's blocks, on the engine thread, whatever its state.
+
+    NOTE: a cancelled call can get here while the request still runs (its
+    abort is queued behind this): ``release_held`` alone would drop the
+    running request from the scheduler's books, the abort would then find
+    nothing, and the request would finish holding its blocks forever.
+    """
+    if seq is None or engine.scheduler.requests.get(request_id) is not seq:
+        return  # never added, or already gone
+    if seq.finished:
+        engine.scheduler.release_held(request_id)
+    else:
+        engine.abort_request(request_id)

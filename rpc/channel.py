@@ -14,6 +14,12 @@ OPTIONS = [
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.keepalive_permit_without_calls", 1),
+    # Server side: accept the clients' keepalive pings above, and the pings
+    # grpc sends after cancelling a call. With the defaults (one ping per 5
+    # minutes, 2 strikes) a few cancelled calls in a row get the connection
+    # closed with GOAWAY "too_many_pings", failing every call on it.
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.max_ping_strikes", 0),
 ]
 
 

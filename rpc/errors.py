@@ -64,6 +64,14 @@ _FROM_CODE = {
 }
 
 
+def peer_error(err: grpc.aio.AioRpcError, peer: str = "a peer worker") -> TandemError:
+    """A failed call this handler made to another worker, as this handler's
+    own error: the peer's status and message, except that a peer's
+    INVALID_ARGUMENT is our bug (INTERNAL), not our caller's bad input."""
+    cls = _FROM_CODE.get(err.code(), TandemError)
+    return cls(f"{peer}: {err.details()}")
+
+
 def from_rpc_error(err: grpc.aio.AioRpcError) -> Exception:
     """The exception a failed call stands for, on the calling side."""
     if err.code() == grpc.StatusCode.INVALID_ARGUMENT:
@@ -103,7 +111,13 @@ def _wrap_unary(fn):
     async def wrapper(request, context):
         try:
             return await fn(request, context)
-        except (grpc.aio.AbortError, grpc.RpcError):
+        except grpc.aio.AbortError:
+            raise
+        except grpc.aio.AioRpcError as err:
+            # NOTE: a call to another worker failed and nobody converted it:
+            # grpc would answer UNKNOWN ("Unexpected AioRpcError").
+            await _abort(context, peer_error(err))
+        except grpc.RpcError:
             raise
         except Exception as exc:
             await _abort(context, exc)
@@ -116,7 +130,11 @@ def _wrap_stream(fn):
         try:
             async for item in fn(request, context):
                 yield item
-        except (grpc.aio.AbortError, grpc.RpcError):
+        except grpc.aio.AbortError:
+            raise
+        except grpc.aio.AioRpcError as err:
+            await _abort(context, peer_error(err))
+        except grpc.RpcError:
             raise
         except Exception as exc:
             await _abort(context, exc)

@@ -23,9 +23,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_generate(sub)
-    from tandem import up
+    from tandem import bench, up
 
     up.add_parser(sub)
+    bench.add_parser(sub)
     return parser
 
 

@@ -17,7 +17,6 @@ import tempfile
 from pathlib import Path
 
 import torch
-
 from tiny_models import TINY, build_tiny_model
 
 EOS = TINY["eos_token_id"]  # 2
@@ -83,9 +82,8 @@ def tiny_with_tokenizer(name: str = "llama-gqa") -> Path:
 
 
 def make_engine(model_dir: Path | str, **kwargs):
-    from tandem.llm import engine_config
-
     from engine.llm_engine import LLMEngine
+    from tandem.llm import engine_config
 
     kwargs.setdefault("num_blocks", 256)
     return LLMEngine(engine_config(str(model_dir), **kwargs))

@@ -11,10 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from engine_fixtures import VOCAB, assert_all_free, root, tiny_with_tokenizer
 from safetensors.torch import save_file
 
 import tandem
-from engine_fixtures import VOCAB, assert_all_free, root, tiny_with_tokenizer
 from tandem import LLM, SamplingParams
 
 REPO = Path(__file__).resolve().parent.parent
@@ -132,6 +132,16 @@ async def test_leaving_the_loop_aborts(aengine):
         if not engine.scheduler.requests:
             break
         await asyncio.sleep(0.01)
+    assert not engine.scheduler.requests and not engine.outputs.groups
+    assert engine.kv.num_free_blocks == engine.runner.num_blocks
+
+
+async def test_closing_the_generator_aborts_at_once(aengine):
+    engine = aengine.engine
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    gen = aengine.generate("the quick brown fox", params, "closed")
+    await gen.__anext__()
+    await gen.aclose()
     assert not engine.scheduler.requests and not engine.outputs.groups
     assert engine.kv.num_free_blocks == engine.runner.num_blocks
 

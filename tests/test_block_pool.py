@@ -288,3 +288,19 @@ def test_allocate_without_publishing_then_cache_blocks():
     assert all(b.block_hash is None for b in kv.pool.blocks)
     kv.cache_blocks(a, 9)
     assert [kv.pool.blocks[i].block_hash is not None for i in range(3)] == [True, True, False]
+
+
+def test_decode_steps_publish_each_block_as_it_fills():
+    kv = KVCacheManager(8, BS)
+    a = req("a", toks(100, 6))
+    kv.allocate_slots(a, 6)
+    a.num_computed_tokens = 6
+    assert [b.block_hash is not None for b in kv.pool.blocks[:2]] == [True, False]
+    for token in (7, 8):  # tokens 6 and 7: block 1 fills with the second
+        a.append_token(token)
+        assert kv.allocate_slots(a, 1)
+        a.num_computed_tokens += 1
+    assert a.block_ids == [0, 1] and kv.pool.blocks[1].block_hash == a.block_hashes[1]
+    # A prompt equal to a's tokens so far (plus one) hits both blocks.
+    hits, n = kv.get_computed_blocks(req("b", a.token_ids + [9]))
+    assert [h.block_id for h in hits] == [0, 1] and n == 8

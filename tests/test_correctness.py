@@ -8,10 +8,10 @@ from __future__ import annotations
 import functools
 
 import pytest
-
-from engine.sampling_params import SamplingParams
 from engine_fixtures import assert_all_free, make_engine, random_prompts, run_to_completion, tiny
 from tiny_models import VARIANTS, hf_greedy
+
+from engine.sampling_params import SamplingParams
 
 MAX_TOKENS = 16
 # Mixed lengths: a one-token prompt, prompts inside one block, prompts over many.

@@ -4,11 +4,11 @@ tokenizer (tests/engine_fixtures.toy_tokenizer)."""
 from __future__ import annotations
 
 import pytest
+from engine_fixtures import EOS, assert_all_free, make_engine, tiny_with_tokenizer
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
-from engine_fixtures import EOS, assert_all_free, make_engine, tiny_with_tokenizer
 
 TEXT = "héllo 🙂 world, the quick brown fox 日本"
 

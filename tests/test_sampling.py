@@ -8,8 +8,6 @@ import shutil
 
 import pytest
 import torch
-
-from engine.sampling_params import SamplingParams
 from engine_fixtures import (
     EOS,
     assert_all_free,
@@ -20,6 +18,8 @@ from engine_fixtures import (
     run_to_completion,
     tiny,
 )
+
+from engine.sampling_params import SamplingParams
 
 VARIANT = "llama-gqa"
 PROMPTS = random_prompts((3, 9, 20, 33, 6, 14, 27, 1), seed=3)

@@ -224,10 +224,10 @@ def test_min_tokens_holds_back_stop_tokens_and_max_model_len_ends():
     assert not r.finished
     step(sched, token=9)
     assert r.finish_reason == "stop"
-    s = make_request("s", 6, max_tokens=2)
+    s = make_request("s", 6, max_tokens=5)
     sched.add_request(s)
     drain(sched)
-    assert s.finish_reason == "length" and s.num_tokens == 8
+    assert s.finish_reason == "length" and s.num_tokens == 8 and s.num_output_tokens == 2
 
 
 def test_remote_kv_reserves_blocks_and_decodes_after_arrival():

@@ -54,7 +54,7 @@ class WorkerMetrics:
         self.reservations_expired = Counter("tandem:kv_reservations_expired",
                                             "Reservations whose lease ran out unused", registry=r)
         self.peer_bandwidth = Gauge("tandem:kv_transport_bandwidth_bytes_per_second",
-                                    "Measured at start-up by the transport preflight",
+                                    "KV transport bandwidth to a peer, measured by the preflight on first contact",
                                     ["transport", "peer"], registry=r)
         self._prefix_seen = (0, 0)
 

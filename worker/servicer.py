@@ -52,3 +52,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def OpenTransferGroup(self, request, context):
         await self._method("open_group")(request)
         return worker_pb2.OpenTransferGroupResponse()
+
+    async def Preflight(self, request_iterator, context):
+        received = await self._method("receive_preflight")(request_iterator)
+        return worker_pb2.PushKVResponse(bytes_received=received)

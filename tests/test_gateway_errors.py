@@ -1,0 +1,380 @@
+"""Every way a request can fail at the gateway, over raw HTTP (status codes,
+headers, OpenAI error objects) and the openai client: 400 for bad input (never
+500), 404 for an unknown model, 401 without the configured key, 429 with
+Retry-After when full, 503 while draining; and a client that goes away
+mid-stream leaves no block held anywhere."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from gateway_fixtures import (
+    SERVED,
+    assert_error,
+    iter_sse,
+    start_gateway,
+    start_workers,
+    wait_blocks_free,
+    wait_until,
+)
+from rpc.protos import common_pb2, generation_pb2
+from tandem.cluster import LocalCluster
+
+NUM_BLOCKS = 64  # 1024 tokens: the tiny model's whole context
+# A decode worker with 24 blocks of 16 tokens has room for 384 tokens, less
+# than the model's context: a 500-token prompt is valid but cannot fit.
+SMALL_BLOCKS = 24
+PROMPT = "the quick brown fox"
+MESSAGES = [{"role": "user", "content": "hello"}]
+API_KEY = "s3cret-key"
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with LocalCluster() as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def workers(cluster):
+    return start_workers(cluster, ["prefill", "decode"], NUM_BLOCKS)
+
+
+@pytest.fixture(scope="module")
+def gateway(cluster, workers):
+    return start_gateway(cluster, workers)
+
+
+@pytest.fixture(scope="module")
+def http(gateway):
+    with gateway.http() as h:
+        yield h
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(workers):
+    yield
+    wait_blocks_free(workers)
+
+
+# ---- 400 ---------------------------------------------------------------------------------
+
+COMPLETION_CASES = {
+    "temperature": ({"temperature": -1}, "temperature"),
+    "top_p": ({"top_p": 2}, "top_p"),
+    "n": ({"n": 0}, "n"),
+    "max_tokens_0": ({"max_tokens": 0}, "max_tokens"),
+    "max_tokens_negative": ({"max_tokens": -3}, "max_tokens"),
+    "top_k": ({"top_k": 0}, "top_k"),
+    "presence_penalty": ({"presence_penalty": 3}, "presence_penalty"),
+    "logprobs": ({"logprobs": 50}, "logprobs"),
+    "temperature_type": ({"temperature": "hot"}, "temperature"),
+    "stop_type": ({"stop": 5}, "stop"),
+    "empty_stop": ({"stop": [""]}, "stop"),
+    "empty_prompt": ({"prompt": ""}, "prompt"),
+    "empty_prompt_list": ({"prompt": []}, "prompt"),
+    "prompt_type": ({"prompt": {"a": 1}}, "prompt"),
+    "token_out_of_vocab": ({"prompt": [1, 99999]}, "vocabulary"),
+    "negative_token": ({"prompt": [1, -2]}, "prompt"),
+    "echo": ({"echo": True}, "echo"),
+    "best_of": ({"best_of": 3}, "best_of"),
+}
+
+
+@pytest.mark.parametrize("case", list(COMPLETION_CASES))
+def test_completion_invalid_params_are_400(http, case):
+    overrides, mention = COMPLETION_CASES[case]
+    body = {"model": SERVED, "prompt": PROMPT, "max_tokens": 4, **overrides}
+    error = assert_error(http.post("/v1/completions", json=body), 400)
+    assert error["type"] == "invalid_request_error"
+    assert mention in error["message"], error
+
+
+def test_missing_prompt_is_400(http):
+    error = assert_error(http.post("/v1/completions", json={"model": SERVED}), 400)
+    assert error["param"] == "prompt"
+
+
+CHAT_CASES = {
+    "temperature": {"temperature": -1},
+    "top_p": {"top_p": 2},
+    "n": {"n": 0},
+    "max_tokens": {"max_tokens": 0},
+    "max_completion_tokens": {"max_completion_tokens": 0},
+    "top_logprobs": {"logprobs": True, "top_logprobs": 30},
+    "no_messages": {"messages": []},
+    "messages_type": {"messages": "hello"},
+    "bad_role": {"messages": [{"role": "wizard", "content": "hi"}]},
+    "image_part": {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]},
+    "tools": {"tools": [{"type": "function", "function": {"name": "f"}}]},
+}
+
+
+@pytest.mark.parametrize("case", list(CHAT_CASES))
+def test_chat_invalid_params_are_400(http, case):
+    body = {"model": SERVED, "messages": MESSAGES, "max_tokens": 4, **CHAT_CASES[case]}
+    error = assert_error(http.post("/v1/chat/completions", json=body), 400)
+    assert error["type"] == "invalid_request_error"
+
+
+def test_invalid_params_through_the_openai_client(gateway):
+    with gateway.client() as client:
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=SERVED, messages=MESSAGES, temperature=-1)
+        assert "temperature" in err.value.message
+        # A stream that cannot start fails before any event, with the status.
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model=SERVED, prompt=PROMPT, top_p=2, stream=True)
+
+
+def test_prompt_longer_than_the_context(http):
+    error = assert_error(http.post("/v1/completions", json={
+        "model": SERVED, "prompt": [5] * 1100, "max_tokens": 4}), 400)
+    assert "1024" in error["message"] and "1100" in error["message"], error
+    # The limit counts the completion too.
+    error = assert_error(http.post("/v1/completions", json={
+        "model": SERVED, "prompt": [5] * 1000, "max_tokens": 100}), 400)
+    assert "1024" in error["message"] and "1000" in error["message"], error
+    error = assert_error(http.post("/v1/chat/completions", json={
+        "model": SERVED, "messages": [{"role": "user", "content": "hello " * 1200}]}), 400)
+    assert "1024" in error["message"], error
+
+
+def test_malformed_json_is_400(http):
+    for body in (b"{not json", b'{"prompt": "x",}', b"", b"[1, 2]", b'"just a string"'):
+        response = http.post("/v1/completions", content=body,
+                             headers={"content-type": "application/json"})
+        assert_error(response, 400)
+
+
+def test_invalid_utf8_is_400(http):
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        response = http.post(path, content=b'{"prompt": "caf\xe9", "messages": []}',
+                             headers={"content-type": "application/json"})
+        error = assert_error(response, 400)
+        assert "UTF-8" in error["message"]
+
+
+def test_wrong_content_type_is_not_500(http):
+    response = http.post("/v1/completions", content=b'{"prompt": "x"}',
+                         headers={"content-type": "text/plain"})
+    assert 400 <= response.status_code < 500, response.text
+    assert_error(response, response.status_code)
+
+
+# ---- 404 ---------------------------------------------------------------------------------
+
+
+def test_unknown_model_is_404(http, gateway):
+    for path, body in (("/v1/completions", {"prompt": PROMPT}),
+                       ("/v1/chat/completions", {"messages": MESSAGES})):
+        error = assert_error(http.post(path, json={"model": "gpt-17", **body}), 404)
+        assert error["code"] == "model_not_found" and error["param"] == "model"
+        assert "gpt-17" in error["message"]
+    with gateway.client() as client, pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-17", prompt=PROMPT, max_tokens=2)
+
+
+def test_unknown_route_is_404(http):
+    assert http.get("/v1/nothing-here").status_code == 404
+
+
+# ---- 401 ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def keyed_gateway(cluster, workers):
+    return start_gateway(cluster, workers, "--api-key", API_KEY)
+
+
+def test_api_key(keyed_gateway):
+    body = {"model": SERVED, "prompt": PROMPT, "max_tokens": 2}
+    with keyed_gateway.http() as http:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY},
+                        {"Authorization": f"Basic {API_KEY}"}):
+            error = assert_error(http.post("/v1/completions", json=body, headers=headers), 401)
+            assert error["type"] == "authentication_error"
+        assert_error(http.get("/v1/models"), 401)
+        ok = http.post("/v1/completions", json=body,
+                       headers={"Authorization": f"Bearer {API_KEY}"})
+        assert ok.status_code == 200, ok.text
+        # Health and metrics stay open for probes and scrapers.
+        assert http.get("/health").status_code == 200
+        assert http.get("/metrics").status_code == 200
+    with keyed_gateway.client(api_key="wrong") as client, \
+            pytest.raises(openai.AuthenticationError):
+        client.models.list()
+    with keyed_gateway.client(api_key=API_KEY) as client:
+        assert client.models.list().data[0].id == SERVED
+
+
+# ---- 429 ---------------------------------------------------------------------------------
+
+
+def test_no_decode_room_is_429(cluster, workers):
+    # 500 prompt tokens fit the model's context but not the decode worker's
+    # 384-token cache: refused before any compute, with Retry-After.
+    small = start_workers(cluster, ["decode"], SMALL_BLOCKS)
+    gateway = start_gateway(cluster, [workers[0], *small])
+    try:
+        _no_room(gateway)
+        wait_blocks_free(small)
+    finally:
+        gateway.proc.terminate()
+        small[0].proc.terminate()
+
+
+def _no_room(gateway) -> None:
+    with gateway.http() as http:
+        response = http.post("/v1/completions", json={
+            "model": SERVED, "prompt": [5] * 500, "max_tokens": 4})
+        error = assert_error(response, 429)
+        assert error["type"] == "rate_limit_error"
+        assert int(response.headers["retry-after"]) >= 1
+        # A prompt that fits still works there.
+        assert http.post("/v1/completions", json={"prompt": [5] * 300, "max_tokens": 4}
+                         ).status_code == 200
+    channel, stub = gateway.generation_stub()
+    with channel, pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(generation_pb2.GenerateRequest(
+            token_ids=generation_pb2.TokenIds(ids=[5] * 500),
+            params=common_pb2.SamplingParams(max_tokens=4)), timeout=30))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    with gateway.client() as client, pytest.raises(openai.RateLimitError):
+        client.completions.create(model=SERVED, prompt=[5] * 500, max_tokens=4)
+
+
+def test_max_active_requests_is_429(cluster, workers):
+    gateway = start_gateway(cluster, workers, "--max-active-requests", "1")
+    long = {"model": SERVED, "prompt": PROMPT, "max_tokens": 360, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    try:
+        with gateway.http() as http, http.stream("POST", "/v1/completions", json=long) as r:
+            assert r.status_code == 200
+            events = iter_sse(r)
+            first = next(events)
+            assert first["choices"][0]["finish_reason"] is None
+            # The first request is running: a second one is refused.
+            with gateway.http() as other:
+                response = other.post("/v1/completions", json={**long, "stream": False})
+                assert_error(response, 429)
+                assert "retry-after" in response.headers
+            rest = list(events)
+            assert rest[-1] == "[DONE]"
+            assert rest[-2]["choices"][0]["finish_reason"] == "length"
+        # Once it is done, there is room again.
+        with gateway.http() as http:
+            ok = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+            assert ok.status_code == 200
+    finally:
+        gateway.proc.terminate()
+
+
+# ---- 503 ---------------------------------------------------------------------------------
+
+
+def test_draining_is_503_and_running_requests_finish(cluster, workers):
+    gateway = start_gateway(cluster, workers)
+    events: list = []
+    started = threading.Event()
+
+    def long_stream() -> None:
+        with gateway.http() as http, http.stream("POST", "/v1/completions", json={
+                "model": SERVED, "prompt": PROMPT, "max_tokens": 900, "temperature": 0,
+                "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}) as r:
+            for event in iter_sse(r):
+                events.append(event)
+                started.set()
+
+    reader = threading.Thread(target=long_stream)
+    reader.start()
+    try:
+        assert started.wait(30), "the long request did not start"
+        gateway.proc.popen.send_signal(signal.SIGTERM)
+        with gateway.http() as http:
+            wait_until(lambda: http.get("/health").status_code == 503, 5,
+                       "/health to report draining")
+            response = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+            error = assert_error(response, 503)
+            assert "retry-after" in response.headers
+            assert error["type"] == "service_unavailable"
+        channel, stub = gateway.generation_stub()
+        with channel, pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(generation_pb2.GenerateRequest(
+                text=PROMPT, params=common_pb2.SamplingParams(max_tokens=2)), timeout=10))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert reader.is_alive(), "the long request finished before the checks; make it longer"
+        reader.join(60)
+        assert not reader.is_alive()
+        # The request that was running when the drain began ran to its end.
+        assert events[-1] == "[DONE]"
+        assert events[-2]["usage"]["completion_tokens"] == 900
+        assert events[-3]["choices"][0]["finish_reason"] == "length"
+        assert gateway.proc.popen.wait(30) == 0
+    finally:
+        gateway.proc.kill()
+        reader.join(10)
+
+
+# ---- client disconnect -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": PROMPT}),
+    ("/v1/chat/completions", {"messages": MESSAGES, "n": 2}),
+])
+def test_disconnect_mid_stream_frees_every_block(gateway, workers, path, body):
+    with gateway.http() as http, http.stream("POST", path, json={
+            "model": SERVED, "max_tokens": 340, "temperature": 0, "ignore_eos": True,
+            "stream": True, **body}) as r:
+        events = iter_sse(r)
+        first = next(events)
+        next(events)
+        request_id = first["id"]
+        # Leaving the block closes the connection mid-stream.
+    wait_until(lambda: f"request {request_id} ended early" in gateway.output(), 10,
+               "the gateway to abort the disconnected request")
+    wait_blocks_free(workers)
+
+
+def test_disconnect_through_the_openai_client(gateway, workers):
+    with gateway.client() as client:
+        stream = client.completions.create(model=SERVED, prompt=PROMPT, max_tokens=340,
+                                           temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        request_id = next(iter(stream)).id
+        stream.close()
+    wait_until(lambda: f"request {request_id} ended early" in gateway.output(), 10,
+               "the gateway to abort the disconnected request")
+    wait_blocks_free(workers)
+
+
+def test_health_lists_workers(http, workers):
+    body = http.get("/health").json()
+    assert body["status"] == "ok"
+    assert {w["address"] for w in body["workers"]} == {w.address for w in workers}
+    assert all(w["healthy"] for w in body["workers"])
+
+
+def test_errors_never_500_under_concurrency(http):
+    # A burst of mixed good and bad requests: every answer is 200, 400 or 429.
+    import concurrent.futures
+
+    bodies = [{"prompt": PROMPT, "max_tokens": 3}, {"prompt": PROMPT, "top_p": 9},
+              {"prompt": [5] * 1100, "max_tokens": 2}, {"model": "x", "prompt": PROMPT},
+              {"prompt": [5] * 500, "max_tokens": 8}] * 4
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        codes = list(pool.map(lambda b: http.post("/v1/completions", json=b).status_code,
+                              bodies))
+    assert set(codes) <= {200, 400, 404, 429} and 200 in codes, codes
+
+
+_ = httpx  # the raw client the fixtures hand out

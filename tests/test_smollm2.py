@@ -1,0 +1,108 @@
+"""The bundled SmolLM2-135M-Instruct end to end: Tandem's ``LLM()`` against Hugging Face.
+
+``LLM()`` with no model converts the bundled GGUF (into a temporary cache here, so a fresh clone
+and a warm machine run the same path) and serves it in float32. Hugging Face loads the same GGUF
+through its own loader, so the reference shares nothing with our converter. Greedy decoding must
+agree token for token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from engine.loader.default_model import default_model_path
+from tandem import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 20
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    # Longer than several 16-token KV blocks, so the batch mixes one-block and many-block prompts.
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who went out "
+    "every morning before dawn. One day, after a terrible storm had kept the boats in the harbour "
+    "for a week, he found something strange tangled in his nets:",
+    "List three colors:",
+]
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LLM]:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TANDEM_CACHE_DIR", str(tmp_path_factory.mktemp("tandem-cache")))
+        engine = LLM(dtype="float32")
+    yield engine
+    # Whatever the tests did, every request finished and gave its blocks back.
+    assert not engine.engine.has_unfinished_requests()
+    assert engine.engine.kv.num_free_blocks == engine.engine.runner.num_blocks
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    from transformers import AutoModelForCausalLM
+
+    gguf = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """One prompt at a time, so no padding enters the reference."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def assert_all_blocks_free(llm: LLM) -> None:
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.kv.num_free_blocks == llm.engine.runner.num_blocks
+
+
+def test_greedy_batch_matches_transformers(llm: LLM, hf_model) -> None:
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+
+    lengths = [len(o.prompt_token_ids) for o in outputs]
+    assert min(lengths) < 16 < 48 < max(lengths), lengths  # mixed: one block to several
+    assert outputs[0].outputs[0].text.startswith(" Paris.")
+    for prompt, output in zip(PROMPTS, outputs, strict=True):
+        completion = output.outputs[0]
+        assert output.prompt_token_ids == llm.get_tokenizer().encode(prompt)
+        assert completion.finish_reason == "length"
+        assert completion.token_ids == hf_greedy(hf_model, output.prompt_token_ids, MAX_TOKENS), (
+            prompt
+        )
+    assert_all_blocks_free(llm)
+
+
+def test_chat_applies_chatml_template(llm: LLM) -> None:
+    from transformers import AutoTokenizer
+
+    (output,) = llm.chat(CHAT, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+
+    # The converted directory is a valid Hugging Face one: its tokenizer renders the same ChatML.
+    reference = AutoTokenizer.from_pretrained(str(llm.engine.model_dir))
+    want = reference.apply_chat_template(CHAT, add_generation_prompt=True)["input_ids"]
+    assert output.prompt_token_ids == want
+    tokenizer = llm.get_tokenizer()
+    assert tokenizer.decode(want, skip_special_tokens=False).endswith(
+        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    completion = output.outputs[0]
+    assert "Paris" in completion.text
+    assert completion.finish_reason == "stop"  # stopped at <|im_end|>, not at max_tokens
+    assert_all_blocks_free(llm)

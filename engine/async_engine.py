@@ -168,10 +168,11 @@ class AsyncEngine:
                 else:
                     future.set_exception(value)
             self._dispatch(outputs)
-            if not self.engine.scheduler.num_running:
+            if not ops and not outputs and not self.engine.scheduler.num_running:
                 # NOTE: requests wait but none fits (their blocks are held, e.g.
-                # by reservations): only an op can change that, so wait for one
-                # instead of spinning a core on empty steps.
+                # by a decode worker's reservations), and nothing runs that could
+                # free blocks: only an op can change that. Wait for one instead
+                # of spinning a core on empty steps.
                 self._wake.clear()
                 with self._ops_lock:
                     idle = not self._ops

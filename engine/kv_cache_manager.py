@@ -18,8 +18,15 @@ from engine.request import Request
 
 
 def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    """Chained hash: a block's hash covers every token before it too."""
-    return hash((parent_hash, token_ids))
+    """Chained hash: a block's hash covers every token before it too.
+
+    NOTE: the first block chains from a constant, not None: on Python 3.11
+    hash(None) depends on the object's address, and the same prompt should
+    hash the same in every process."""
+    return hash((_ROOT_HASH if parent_hash is None else parent_hash, token_ids))
+
+
+_ROOT_HASH = 0x7A4D3E
 
 
 class KVCacheManager:

@@ -51,5 +51,5 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             yield reply
 
     async def Abort(self, request: generation_pb2.GenerateAbortRequest, context):
-        await self.service.orchestrator.abort(request.request_id)
-        return generation_pb2.GenerateAbortResponse(found=True)
+        found = await self.service.orchestrator.abort(request.request_id)
+        return generation_pb2.GenerateAbortResponse(found=found)

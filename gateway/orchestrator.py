@@ -73,6 +73,7 @@ class Sequence:
     holders: set[str] = field(default_factory=set)  # worker addresses holding it now
     attempt: int = 0
     prompt_logprobs: list = field(default_factory=list)  # from the prefill worker
+    record_id: str = ""  # the request's state record: its id without the -{index}
 
 
 class Orchestrator:
@@ -84,6 +85,7 @@ class Orchestrator:
         self.lease_ms = lease_ms
         self.max_attempts = max_attempts
         self._winding_up: set[asyncio.Task] = set()  # strong references until done
+        self._active: dict[str, list[Sequence]] = {}  # request id -> its sequences
 
     async def generate(self, request_id: str, prompt: list[int],
                        params: SamplingParams) -> AsyncIterator[Chunk]:
@@ -97,9 +99,11 @@ class Orchestrator:
                 request_id if params.n == 1 else f"{request_id}-{i}", i, prompt,
                 dataclasses.replace(params, n=1,
                                     seed=None if params.seed is None else params.seed + i),
+                record_id=request_id,
             )
             for i in range(params.n)
         ]
+        self._active[request_id] = seqs
         queue: asyncio.Queue = asyncio.Queue()
         tasks = [asyncio.ensure_future(self._pump(s, queue)) for s in seqs]
         final, done = State.FINISHED, 0
@@ -117,6 +121,7 @@ class Orchestrator:
             final = State.ABORTED
             raise
         finally:
+            self._active.pop(request_id, None)
             for t in tasks:
                 t.cancel()
             # NOTE: wound up in a task of its own. Starlette cancels a
@@ -259,10 +264,12 @@ class Orchestrator:
         if prefill is None:
             raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None,
                                        details="no prefill worker is available")
-        await self._state(seq, State.PREFILLING, prefill=prefill)
+        # NOTE: counted before the first await, so that requests arriving
+        # together see each other's load when they pick.
         seq.holders.add(prefill.address)
         prefill.inflight += 1
         try:
+            await self._state(seq, State.PREFILLING, prefill=prefill)
             return await self.pool.stub(prefill.address).Prefill(worker_pb2.PrefillRequest(
                 request_id=seq.request_id, prompt_token_ids=seq.prompt, params=params,
                 ticket=ticket, transport=self.transport,
@@ -281,8 +288,9 @@ class Orchestrator:
             fields["decode_worker"] = decode.worker_id or decode.address
         if prefill is not None:
             fields["prefill_worker"] = prefill.worker_id or prefill.address
-        parent = seq.request_id if seq.index == 0 else seq.request_id.rsplit("-", 1)[0]
-        await self.store.update(parent, seq.attempt, fields)
+        # NOTE: with n > 1 every sequence, index 0 included, is "{id}-{i}";
+        # deriving the record's id from the index lost sequence 0's writes.
+        await self.store.update(seq.record_id or seq.request_id, seq.attempt, fields)
 
     async def _abort_everywhere(self, seq: Sequence) -> None:
         """Best effort: every worker that may hold blocks of ``seq`` frees them."""
@@ -293,10 +301,15 @@ class Orchestrator:
             for a in holders
         ), return_exceptions=True)
 
-    async def abort(self, request_id: str) -> None:
-        """Abort by id from outside the request's own stream (all workers)."""
+    async def abort(self, request_id: str) -> bool:
+        """Abort by id from outside the request's own stream (all workers).
+        Returns whether this gateway is running the request."""
+        seqs = self._active.get(request_id)
+        # With n > 1 the workers know the sequences ("{id}-{i}"), not the request.
+        ids = [s.request_id for s in seqs] if seqs else [request_id]
         addresses = [w.address for w in self.pool.workers.values() if w.healthy]
         await asyncio.gather(*(
-            self.pool.stub(a).Abort(worker_pb2.AbortRequest(request_id=request_id), timeout=5.0)
-            for a in addresses
+            self.pool.stub(a).Abort(worker_pb2.AbortRequest(request_id=rid), timeout=5.0)
+            for a in addresses for rid in ids
         ), return_exceptions=True)
+        return seqs is not None

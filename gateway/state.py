@@ -20,7 +20,7 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 
-class State(str, enum.Enum):
+class State(enum.StrEnum):
     QUEUED = "QUEUED"
     PREFILLING = "PREFILLING"
     DECODING = "DECODING"

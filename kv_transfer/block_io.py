@@ -27,13 +27,22 @@ class BlockIO:
     def read(self, block_ids: list[int]) -> torch.Tensor:
         """All layers: ``[num_layers, 2, n, block_size, kv_heads, head_dim]``."""
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        return torch.stack([torch.stack((k[idx], v[idx])) for k, v in self.kv_caches])
+        out = self.empty(len(self.kv_caches), len(block_ids))
+        # NOTE: gathered straight into one buffer: k[idx] then torch.stack
+        # would copy every byte twice and allocate twice the payload.
+        for layer, (k, v) in enumerate(self.kv_caches):
+            torch.index_select(k, 0, idx, out=out[layer, 0])
+            torch.index_select(v, 0, idx, out=out[layer, 1])
+        return out
 
     def read_layer(self, layer: int, block_ids: list[int]) -> torch.Tensor:
         """One layer: ``[2, n, block_size, kv_heads, head_dim]``, contiguous."""
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         k, v = self.kv_caches[layer]
-        return torch.stack((k[idx], v[idx]))
+        out = self.empty(None, len(block_ids))
+        torch.index_select(k, 0, idx, out=out[0])
+        torch.index_select(v, 0, idx, out=out[1])
+        return out
 
     def write(self, block_ids: list[int], data: torch.Tensor) -> None:
         """Inverse of ``read``."""

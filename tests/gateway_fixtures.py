@@ -31,11 +31,11 @@ import grpc
 import httpx
 import openai
 import pytest
-
 from engine_fixtures import tiny_with_tokenizer
+from worker_fixtures import Worker, start_worker
+
 from rpc.protos import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tandem.cluster import LocalCluster, Proc
-from worker_fixtures import Worker, start_worker
 
 SERVED = "tiny-llama"  # --served-model-name of every tiny-model gateway
 REDIS_ENV = "TANDEM_TEST_REDIS_URL"

@@ -12,8 +12,6 @@ import random
 
 import pytest
 import redis
-
-from gateway.state import MemoryStore, RedisStore, State
 from gateway_fixtures import (
     SERVED,
     RedisMonitor,
@@ -26,8 +24,10 @@ from gateway_fixtures import (
     wait_blocks_free,
     wait_until,
 )
-from tandem.cluster import LocalCluster
 from worker_fixtures import metric, scrape
+
+from gateway.state import MemoryStore, RedisStore, State
+from tandem.cluster import LocalCluster
 
 DB = 1
 NUM_BLOCKS = 64
@@ -162,8 +162,11 @@ def test_n_2_record_counts_both_completions(client, url):
     with RedisMonitor(url) as monitor:
         out = client.completions.create(model=SERVED, prompt=PROMPT, max_tokens=4, n=2,
                                         seed=1, extra_body={"ignore_eos": True})
-    final = monitor.writes(out.id)[-1]
-    assert final["state"] == "FINISHED" and final["tokens_sent"] == "8"
+    writes = monitor.writes(out.id)
+    assert writes[-1]["state"] == "FINISHED" and writes[-1]["tokens_sent"] == "8"
+    # Both sequences report their progress to the one record.
+    assert sum(w.get("state") == "PREFILLING" for w in writes) == 2
+    assert sum(w.get("state") == "DECODING" for w in writes) == 2
 
 
 def test_discovery_from_redis(cluster, workers, url):

@@ -13,7 +13,6 @@ import grpc
 import httpx
 import openai
 import pytest
-
 from gateway_fixtures import (
     SERVED,
     assert_error,
@@ -23,6 +22,7 @@ from gateway_fixtures import (
     wait_blocks_free,
     wait_until,
 )
+
 from rpc.protos import common_pb2, generation_pb2
 from tandem.cluster import LocalCluster
 

@@ -6,7 +6,7 @@ a gateway that found its workers in Redis forgets them once their
 registration expires.
 
 The tests run in file order on one set of workers and each kills some: two
-prefill and three decode workers at the start, one decode worker at the end.
+prefill and four decode workers at the start, one decode worker at the end.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import concurrent.futures
 
 import pytest
-
 from gateway_fixtures import (
     SERVED,
     RedisMonitor,
@@ -29,12 +28,15 @@ from gateway_fixtures import (
     wait_blocks_free,
     wait_until,
 )
+
+from rpc.protos import common_pb2, generation_pb2
 from tandem.cluster import LocalCluster
 
 DB = 2
 NUM_BLOCKS = 64
 PROMPT = "the quick brown fox"
 LONG = {"prompt": PROMPT, "max_tokens": 900, "temperature": 0, "ignore_eos": True}
+KILL_AFTER = 30  # stream chunks received before the serving decode worker is killed
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +54,7 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def workers(cluster, url):
-    roles = ["prefill", "prefill", "decode", "decode", "decode"]
+    roles = ["prefill", "prefill", "decode", "decode", "decode", "decode"]
     return start_workers(cluster, roles, NUM_BLOCKS, "--state-url", url)
 
 
@@ -80,6 +82,12 @@ def reference(gateway):
     return long, short["choices"][0]["text"]
 
 
+def grpc_request(request_id: str) -> generation_pb2.GenerateRequest:
+    return generation_pb2.GenerateRequest(
+        request_id=request_id, text=PROMPT,
+        params=common_pb2.SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True))
+
+
 def alive(workers, role: str):
     return [w for w in workers if w.proc.role == role and w.proc.alive]
 
@@ -95,12 +103,17 @@ def test_migration_after_first_token(gateway, workers, url, reference, discoveri
         with gateway.http() as http, http.stream("POST", "/v1/completions",
                                                  json={**LONG, "stream": True}) as r:
             events = iter_sse(r)
-            first = next(events)
-            rid = first["id"]
+            # Kill right after a chunk whose token made no text: its bytes
+            # are half a character the old worker held back, which the new
+            # decode worker must still send.
+            received = [next(events) for _ in range(5)]
+            while received[-1]["choices"][0]["text"] and len(received) < 100:
+                received.append(next(events))
+            rid = received[0]["id"]
             serving = by_id(workers, redis_record(url, rid)["decode_worker"])
             sigkill(serving)
-            rest = list(events)
-    events = [first, *rest]
+            received += list(events)
+    events = received
     assert not any("error" in e for e in events if isinstance(e, dict)), events[-3:]
     assert events[-1] == "[DONE]"
     assert events[-2]["choices"][0]["finish_reason"] == "length"
@@ -111,6 +124,25 @@ def test_migration_after_first_token(gateway, workers, url, reference, discoveri
     assert final["tokens_sent"] == "900"
     decoders = [w["decode_worker"] for w in monitor.writes(rid) if "decode_worker" in w]
     assert decoders[0] == serving.worker_id and decoders[-1] != serving.worker_id
+    wait_blocks_free(alive(workers, "prefill") + alive(workers, "decode"))
+
+
+def test_grpc_migration_has_no_duplicate_or_lost_token(gateway, workers, url, reference):
+    channel, stub = gateway.generation_stub()
+    with channel:
+        reference_ids = [t for r in stub.Generate(grpc_request("grpc-ref"), timeout=60)
+                         for t in r.token_ids]
+        call = stub.Generate(grpc_request("grpc-migrated"), timeout=60)
+        replies = [next(call) for _ in range(KILL_AFTER)]
+        serving = by_id(workers, redis_record(url, "grpc-migrated")["decode_worker"])
+        sigkill(serving)
+        replies += list(call)
+    assert [t for r in replies for t in r.token_ids] == reference_ids
+    assert "".join(r.text for r in replies) == reference[0]
+    assert replies[-1].finish_reason == "length"
+    assert replies[-1].usage.completion_tokens == 900
+    record = redis_record(url, "grpc-migrated")
+    assert record["attempt"] == "2" and record["decode_worker"] != serving.worker_id
     wait_blocks_free(alive(workers, "prefill") + alive(workers, "decode"))
 
 
@@ -130,7 +162,7 @@ def test_retry_before_first_token(gateway, workers, reference):
 
 def test_dead_workers_leave_rotation(gateway, discovering, workers, reference):
     dead = {w.address for w in workers if not w.proc.alive}
-    assert len(dead) == 3
+    assert len(dead) == 4
     # The static gateway marks them unhealthy (its Info polls fail)...
     with gateway.http() as http:
         wait_until(lambda: {w["address"] for w in http.get("/health").json()["workers"]

@@ -8,10 +8,6 @@ import threading
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-
-from engine.tokenizer import Tokenizer
 from gateway_fixtures import (
     SERVED,
     start_gateway,
@@ -20,6 +16,10 @@ from gateway_fixtures import (
     wait_blocks_free,
     wait_until,
 )
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from engine.tokenizer import Tokenizer
 from rpc.protos import common_pb2, generation_pb2
 from tandem.cluster import LocalCluster
 
@@ -208,6 +208,21 @@ def test_abort_rpc_ends_a_running_stream(stub, workers):
     assert tokens < 900
     # The stream ends with the abort as its finish reason, or with an error status.
     assert errors or rest[-1].finish_reason == "abort"
+    wait_blocks_free(workers)
+
+
+def test_abort_rpc_ends_every_completion_of_n(stub, workers):
+    request_id = "grpc-abort-n2"
+    call = stub.Generate(generation_pb2.GenerateRequest(
+        request_id=request_id, text=PROMPT, params=greedy(400, n=2)), timeout=60)
+    next(call)
+    found = stub.Abort(generation_pb2.GenerateAbortRequest(request_id=request_id), timeout=10)
+    assert found.found
+    rest = list(call)
+    assert sorted(r.index for r in rest if r.finish_reason == "abort") == [0, 1]
+    assert sum(len(r.token_ids) for r in rest) < 799
+    assert not stub.Abort(generation_pb2.GenerateAbortRequest(request_id="no-such-request"),
+                          timeout=10).found
     wait_blocks_free(workers)
 
 

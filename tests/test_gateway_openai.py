@@ -6,9 +6,10 @@ one smoke test on the real SmolLM2."""
 from __future__ import annotations
 
 import pytest
+from gateway_fixtures import SERVED, start_gateway, start_workers, tiny_model, wait_blocks_free
+from worker_fixtures import metric
 
 from engine.tokenizer import Tokenizer
-from gateway_fixtures import SERVED, start_gateway, start_workers, tiny_model, wait_blocks_free
 from tandem.cluster import LocalCluster
 
 NUM_BLOCKS = 64
@@ -292,3 +293,13 @@ def test_smollm2_smoke():
                 messages=[{"role": "user", "content": "What is the capital of France?"}])
         assert "Paris" in out.choices[0].message.content
         wait_blocks_free(workers)
+
+
+def test_gateway_metrics(client, gateway):
+    client.completions.create(model=SERVED, prompt=PROMPT, max_tokens=3, **GREEDY)
+    with gateway.http() as http:
+        text = http.get("/metrics").text
+    assert (metric(text, "vllm:request_success_total", finished_reason="length") or 0) >= 1
+    assert (metric(text, "vllm:e2e_request_latency_seconds_count") or 0) >= 1
+    assert (metric(text, "vllm:time_to_first_token_seconds_count") or 0) >= 1
+    assert metric(text, "vllm:num_requests_running") == 0

@@ -383,6 +383,38 @@ async def test_decode_of_unknown_request_is_not_found(workers, gw):
     await gw.wait_idle(workers.all)
 
 
+async def test_request_that_does_not_fit_waits_without_spinning(workers, gw):
+    """On a colocated worker, reservations can hold the blocks a request
+    needs: it waits, without burning a core, and runs once they are gone."""
+    both = workers.both
+    sp = params(temperature=0, max_tokens=4, ignore_eos=True)
+    holds = [await gw.reserve(both, f"hold-{i}", unique_prompt(n), sp)
+             for i, n in enumerate([1000, 480])]  # 63 + 30 of 96 blocks
+    waiting = asyncio.ensure_future(gw.colocated(both, "wait-for-room", unique_prompt(400), sp))
+
+    async def queued():
+        info = await gw.info(both)
+        return info.num_waiting == 3 and not info.num_running
+
+    await wait_until(queued, what="the request to queue")
+    before = _cpu_seconds(both)
+    await asyncio.sleep(1.0)
+    assert _cpu_seconds(both) - before < 0.5, "the engine loop spins while nothing fits"
+    assert not waiting.done()
+    for t in holds:
+        assert await gw.abort(both, t.request_id)
+    out = await asyncio.wait_for(waiting, 30)
+    assert len(out.token_ids) == 4
+    await gw.wait_idle(workers.all)
+
+
+def _cpu_seconds(w: Worker) -> float:
+    import os
+
+    fields = open(f"/proc/{w.proc.popen.pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 # ---- 3. handshake and validation ------------------------------------------------------------------
 
 
@@ -456,7 +488,7 @@ def _with(p, **changes):
 
 
 async def test_sigterm_drains_in_flight_requests(model_dir, gw):
-    sp = params(temperature=0, max_tokens=500, ignore_eos=True)
+    sp = params(temperature=0, max_tokens=900, ignore_eos=True)
     with LocalCluster() as cluster:
         prefill = start_worker(cluster, "prefill", model_dir, NUM_BLOCKS,
                                "--max-num-batched-tokens", "8")
@@ -475,7 +507,7 @@ async def test_sigterm_drains_in_flight_requests(model_dir, gw):
         err = await rpc_error(gw.colocated(both, "drain-new", [5, 6], sp))
         assert err.code() == StatusCode.UNAVAILABLE and "draining" in err.details()
         out = await long
-        assert len(out.token_ids) == 500 and out.finish_reason == "length"
+        assert len(out.token_ids) == 900 and out.finish_reason == "length"
 
         # A prefill computing when the signal comes completes and hands off.
         prompt, short = unique_prompt(700), _with(sp, max_tokens=3)

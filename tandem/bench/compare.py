@@ -1,7 +1,7 @@
 """``tandem bench compare``: Tandem disaggregated, Tandem colocated and a
 Hugging Face ``generate`` baseline, on this machine, one arm at a time.
 
-    tandem bench compare --request-rates 0.5,2,inf --num-prompts 16
+    tandem bench compare --request-rates 1,4,inf --num-prompts 12
 
 Every arm gets the same request stream (printed hash). The Hugging Face arm
 runs first: it is the reference for the correctness gate, which sends the
@@ -42,13 +42,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help=f"comma-separated, from {', '.join(ARMS)} (hf is required: it is the "
                         "reference)")
     p.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M-Instruct")
-    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--num-prompts", type=int, default=12)
     p.add_argument("--input-len", type=int, default=64)
-    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=24)
     p.add_argument("--range-ratio", type=float, default=0.5)
     p.add_argument("--vocab-size", type=int, default=32000)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--request-rates", default="0.5,2,inf",
+    p.add_argument("--request-rates", default="1,4,inf",
                    help="the sweep, requests/s (default %(default)s)")
     p.add_argument("--gate-prompts", type=int, default=4)
     p.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
@@ -127,6 +127,10 @@ def run(args: argparse.Namespace) -> int:
         with start_arm(arm, args.model, args.kv_cache_gib) as url:
             print(f"[{arm}] up at {url} in {time.monotonic() - t0:.1f}s", flush=True)
             gate, points = asyncio.run(_exercise(arm, url, requests, rates, args, slos))
+        print(f"[{arm}] " + ", ".join(
+            f"{p.rate_label} req/s: {p.metrics.output_throughput:.1f} output tok/s"
+            for p in points) + f" ({time.monotonic() - t0:.0f}s with start and stop)",
+            flush=True)
         if arm == "hf":
             reference = gate
         problem = gate_mismatch(reference, gate)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -24,6 +25,8 @@ from gateway.orchestrator import Chunk
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.service import GatewayService
 from rpc.errors import Draining, NotFound, Overloaded, TandemError
+
+logger = logging.getLogger("gateway")
 
 RETRY_AFTER_S = "1"
 
@@ -236,6 +239,8 @@ def _sse(events: AsyncIterator[dict]) -> StreamingResponse:
             async for event in events:
                 yield f"data: {json.dumps(event)}\n\n"
         except Exception as exc:  # after the stream began: an error event, then the end
+            if not isinstance(exc, ValueError | TandemError):
+                logger.exception("unexpected error in a stream")  # the client sees only 500
             payload = json.loads(error_response(exc).body)
             yield f"data: {json.dumps(payload)}\n\n"
         yield "data: [DONE]\n\n"

@@ -169,6 +169,23 @@ def test_n_2_record_counts_both_completions(client, url):
     assert sum(w.get("state") == "DECODING" for w in writes) == 2
 
 
+def test_workers_register_with_a_heartbeat(workers, url):
+    r = redis.Redis.from_url(url, decode_responses=True)
+    try:
+        for w in workers:
+            key = f"tandem:worker:{w.worker_id}"
+            record = json.loads(r.get(key))
+            assert record == {"worker_id": w.worker_id, "role": w.proc.role,
+                              "address": w.address}
+            # It expires unless renewed: a dead worker's registration goes away.
+            assert 0 < r.ttl(key) <= 3
+        # ...and it is renewed.
+        key = f"tandem:worker:{workers[0].worker_id}"
+        wait_until(lambda: r.pttl(key) > 2500, 5, "a heartbeat to renew the registration")
+    finally:
+        r.close()
+
+
 def test_discovery_from_redis(cluster, workers, url):
     discovering = start_gateway(cluster, [], "--state-url", url)
     try:

@@ -98,7 +98,8 @@ def by_id(workers, worker_id: str):
 
 def test_migration_after_first_token(gateway, workers, url, reference, discovering):
     """Kill the decode worker serving a stream: the stream goes on, on another
-    decode worker, and its text is exactly the uninterrupted greedy text."""
+    decode worker, and its text is exactly the uninterrupted greedy text.
+    (``discovering`` starts here, while every worker is alive.)"""
     with RedisMonitor(url) as monitor:
         with gateway.http() as http, http.stream("POST", "/v1/completions",
                                                  json={**LONG, "stream": True}) as r:

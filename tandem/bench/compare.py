@@ -54,6 +54,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
                    help="SLOs for goodput: ttft:MS tpot:MS e2el:MS")
     p.add_argument("--kv-cache-gib", type=float, default=1.0)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads per process, every arm (OMP_NUM_THREADS; default 1)")
     p.add_argument("--result-dir", type=Path, default=Path("bench_results"))
     p.add_argument("--label", default="compare")
     p.add_argument("--no-progress", dest="progress", action="store_false")
@@ -67,12 +69,17 @@ def free_port() -> int:
 
 
 @contextmanager
-def start_arm(arm: str, model: str | None, kv_cache_gib: float) -> Iterator[str]:
+def start_arm(arm: str, model: str | None, kv_cache_gib: float,
+              threads: int) -> Iterator[str]:
     """Start one arm; yields its OpenAI base URL; stops it on exit."""
+    # NOTE: the same thread count for every process of every arm. On a small
+    # machine shared with other work, OpenMP teams larger than the free cores
+    # spin against each other, and the arm with fewer processes suffers most.
+    env = {"OMP_NUM_THREADS": str(threads)}
     if arm == "hf":
         from tandem.bench.hf_baseline import hf_server
 
-        with hf_server(model, HOST, free_port()) as url:
+        with hf_server(model, HOST, free_port(), env=env) as url:
             yield url
         return
     from tandem.cluster import LocalCluster
@@ -82,7 +89,7 @@ def start_arm(arm: str, model: str | None, kv_cache_gib: float) -> Iterator[str]
         prefill=1 if arm == "tandem-disagg" else 0, decode=1, model=model, host=HOST,
         port=free_port(), grpc_port=free_port(), transport="grpc", state_url=None,
         kv_cache_gib=kv_cache_gib, dtype="float32", api_key=None, worker_arg=[])
-    with LocalCluster() as cluster:
+    with LocalCluster(env=env) as cluster:
         gateway = start_cluster(args, cluster)
         yield f"http://{gateway.address}"
 
@@ -113,6 +120,8 @@ def run(args: argparse.Namespace) -> int:
     arms = parse_arms(args.arms)
     rates = parse_rates(args.request_rates)
     slos = parse_slos(args.goodput)
+    if args.threads < 1:
+        raise ValueError("--threads must be at least 1")
     if not 0 <= args.gate_prompts <= args.num_prompts:
         raise ValueError("--gate-prompts must be between 0 and --num-prompts")
     requests = random_requests(args.num_prompts, args.input_len, args.output_len,
@@ -124,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
     results: dict[str, list[RatePoint]] = {}
     for arm in arms:
         t0 = time.monotonic()
-        with start_arm(arm, args.model, args.kv_cache_gib) as url:
+        with start_arm(arm, args.model, args.kv_cache_gib, args.threads) as url:
             print(f"[{arm}] up at {url} in {time.monotonic() - t0:.1f}s", flush=True)
             gate, points = asyncio.run(_exercise(arm, url, requests, rates, args, slos))
         print(f"[{arm}] " + ", ".join(

@@ -195,14 +195,14 @@ def main(argv: list[str] | None = None) -> None:
 
 
 @contextmanager
-def hf_server(model: str | None, host: str, port: int,
-              timeout_s: float = 300.0) -> Iterator[str]:
+def hf_server(model: str | None, host: str, port: int, timeout_s: float = 300.0,
+              env: dict[str, str] | None = None) -> Iterator[str]:
     """Start the baseline in its own process; yields its URL once it answers."""
     import httpx
 
     cmd = [sys.executable, "-m", "tandem.bench.hf_baseline", "--host", host,
            "--port", str(port), *(["--model", model] if model else [])]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+    env = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join(
         p for p in [str(ROOT), os.environ.get("PYTHONPATH", "")] if p)}
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,

@@ -10,6 +10,7 @@ import os
 from gateway.app import run_gateway
 from gateway.service import GatewayConfig
 from rpc.logs import setup_logging
+from rpc.tracing import setup_tracing
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -41,6 +42,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     setup_logging(args.log_format)
+    setup_tracing("tandem-gateway")
     logging.getLogger("uvicorn.access").setLevel(logging.WARNING)
     config = GatewayConfig(
         model=args.model, served_model_name=args.served_model_name,

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import uuid
 
+from opentelemetry import context as otel_context
+
 from gateway.service import GatewayService
 from rpc.convert import params_from_proto
 from rpc.protos import common_pb2, generation_pb2, generation_pb2_grpc
@@ -33,7 +35,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         completion_tokens = 0
         cached = 0
         remaining = params.n
-        async for chunk in service.generate(prompt, params, request_id):
+        # The current context holds the gRPC server span of this call (the
+        # grpc.aio instrumentation), itself a child of the caller's trace.
+        async for chunk in service.generate(prompt, params, request_id,
+                                            otel_context.get_current()):
             completion_tokens += len(chunk.token_ids)
             reply = generation_pb2.GenerateResponse(
                 request_id=request_id, index=chunk.index, token_ids=chunk.token_ids,

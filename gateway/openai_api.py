@@ -19,16 +19,19 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from gateway.orchestrator import Chunk
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
-from gateway.service import GatewayService
+from gateway.service import GatewayService, request_span
 from rpc.errors import Draining, NotFound, Overloaded, TandemError
+from rpc.tracing import context_from_headers, end_span, tracer
 
 logger = logging.getLogger("gateway")
 
 RETRY_AFTER_S = "1"
+_tracer = tracer("tandem.gateway")
 
 
 class Unauthorized(Exception):
@@ -132,19 +135,28 @@ def build_app(service: GatewayService) -> FastAPI:
         }]}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
+    async def completions(body: CompletionRequest, request: Request):
+        span = request_span("POST /v1/completions", context_from_headers(request.headers))
+        try:
+            return await _completions(body, span)
+        except BaseException as exc:
+            end_span(span, exc)
+            raise
+
+    async def _completions(body: CompletionRequest, span):
         service.check_model(body.model)
         if body.echo or body.suffix or (body.best_of or 1) > 1 or body.logit_bias:
             raise ValueError("echo, suffix, best_of and logit_bias are not supported")
         prompts = _prompts(body.prompt)
-        token_lists = [service.tokenize_prompt(p) for p in prompts]
+        with _child(span, "gateway.tokenize"):
+            token_lists = [service.tokenize_prompt(p) for p in prompts]
         params = [body.sampling(
             body.max_tokens if body.max_tokens is not None else service.default_max_tokens(t),
             body.logprobs) for t in token_lists]
         for t, p in zip(token_lists, params):
             service.check_length(t, p)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        merged = _merge(service, rid, token_lists, params)
+        merged = _merge(service, rid, token_lists, params, span)
         first = await _first(merged)
         render = _CompletionRenderer(service, rid, len(token_lists), params[0].n,
                                      body.logprobs or 0)
@@ -153,12 +165,21 @@ def build_app(service: GatewayService) -> FastAPI:
         return await render.collect(first, merged)
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest):
+    async def chat(body: ChatCompletionRequest, request: Request):
+        span = request_span("POST /v1/chat/completions", context_from_headers(request.headers))
+        try:
+            return await _chat(body, span)
+        except BaseException as exc:
+            end_span(span, exc)
+            raise
+
+    async def _chat(body: ChatCompletionRequest, span):
         service.check_model(body.model)
         if body.tools or body.logit_bias:
             raise ValueError("tools and logit_bias are not supported")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        tokens = service.tokenize_chat(messages, body.add_generation_prompt)
+        with _child(span, "gateway.tokenize"):
+            tokens = service.tokenize_chat(messages, body.add_generation_prompt)
         # NOTE: not `or`: an explicit 0 is invalid (400), not "unset".
         max_tokens = (body.max_completion_tokens if body.max_completion_tokens is not None
                       else body.max_tokens)
@@ -170,7 +191,7 @@ def build_app(service: GatewayService) -> FastAPI:
         params = body.sampling(max_tokens, top)
         service.check_length(tokens, params)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        merged = _merge(service, rid, [tokens], [params])
+        merged = _merge(service, rid, [tokens], [params], span)
         first = await _first(merged)
         render = _ChatRenderer(service, rid, params.n, top or 0)
         if body.stream:
@@ -190,18 +211,37 @@ def _prompts(prompt) -> list[str | list[int]]:
     return list(prompt)
 
 
+def _child(span, name: str):
+    """A span under ``span`` around synchronous work (no await inside)."""
+    return _tracer.start_as_current_span(name, context=trace.set_span_in_context(span))
+
+
 async def _merge(service: GatewayService, rid: str, prompts: list[list[int]],
-                 params: list) -> AsyncIterator[tuple[int, Chunk]]:
-    """The chunks of every prompt's completions; yields (prompt index, chunk)."""
+                 params: list, span) -> AsyncIterator[tuple[int, Chunk]]:
+    """The chunks of every prompt's completions; yields (prompt index, chunk).
+    Ends the request's root ``span`` when the last chunk is out."""
+    ctx = trace.set_span_in_context(span)
+    error: BaseException | None = None
+    try:
+        async for item in _merge_spanned(service, rid, prompts, params, ctx):
+            yield item
+    except BaseException as exc:
+        error = exc
+        raise
+    finally:
+        end_span(span, error)
+
+
+async def _merge_spanned(service, rid, prompts, params, ctx):
     if len(prompts) == 1:
-        async for chunk in service.generate(prompts[0], params[0], rid):
+        async for chunk in service.generate(prompts[0], params[0], rid, ctx):
             yield 0, chunk
         return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def run(i: int) -> None:
         try:
-            async for chunk in service.generate(prompts[i], params[i], f"{rid}-p{i}"):
+            async for chunk in service.generate(prompts[i], params[i], f"{rid}-p{i}", ctx):
                 queue.put_nowait((i, chunk))
             queue.put_nowait((i, None))
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer

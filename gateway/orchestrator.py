@@ -25,6 +25,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
+from opentelemetry import context as otel_context
+from opentelemetry import trace
 
 from engine.sampling_params import SamplingParams
 from gateway.router import WorkerPool, WorkerView
@@ -32,8 +34,10 @@ from gateway.state import State, StateStore
 from rpc.convert import params_to_proto
 from rpc.errors import Overloaded, TandemError, from_rpc_error
 from rpc.protos import worker_pb2
+from rpc.tracing import current, end_span, tracer
 
 logger = logging.getLogger("gateway")
+_tracer = tracer("tandem.gateway")
 
 # Status codes after which the same call may work on another worker.
 RETRYABLE = {
@@ -74,6 +78,8 @@ class Sequence:
     attempt: int = 0
     prompt_logprobs: list = field(default_factory=list)  # from the prefill worker
     record_id: str = ""  # the request's state record: its id without the -{index}
+    trace_ctx: otel_context.Context | None = None  # parent of this sequence's spans
+    aborted: bool = False  # by an Abort call: no retry, no migration
 
 
 class Orchestrator:
@@ -87,9 +93,15 @@ class Orchestrator:
         self._winding_up: set[asyncio.Task] = set()  # strong references until done
         self._active: dict[str, list[Sequence]] = {}  # request id -> its sequences
 
-    async def generate(self, request_id: str, prompt: list[int],
-                       params: SamplingParams) -> AsyncIterator[Chunk]:
-        """Chunks of all ``n`` completions, interleaved as they come."""
+    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
+                       trace_parent: otel_context.Context | None = None,
+                       ) -> AsyncIterator[Chunk]:
+        """Chunks of all ``n`` completions, interleaved as they come. Spans
+        of the workers' calls are children of ``trace_parent``."""
+        span = _tracer.start_span("gateway.route_and_stream", context=trace_parent,
+                                  attributes={"request_id": request_id, "n": params.n,
+                                              "prompt_tokens": len(prompt)})
+        ctx = trace.set_span_in_context(span)
         await self.store.create(request_id, {
             "prompt_tokens": len(prompt), "params": json.dumps(dataclasses.asdict(params)),
             "tokens_sent": 0, "n": params.n,
@@ -99,19 +111,19 @@ class Orchestrator:
                 request_id if params.n == 1 else f"{request_id}-{i}", i, prompt,
                 dataclasses.replace(params, n=1,
                                     seed=None if params.seed is None else params.seed + i),
-                record_id=request_id,
+                record_id=request_id, trace_ctx=ctx,
             )
             for i in range(params.n)
         ]
         self._active[request_id] = seqs
         queue: asyncio.Queue = asyncio.Queue()
         tasks = [asyncio.ensure_future(self._pump(s, queue)) for s in seqs]
-        final, done = State.FINISHED, 0
+        final, done, error = State.FINISHED, 0, None
         try:
             while done < len(seqs):
                 item = await queue.get()
                 if isinstance(item, BaseException):
-                    final = State.FAILED
+                    final, error = State.FAILED, item
                     raise item
                 if item is None:
                     done += 1
@@ -121,6 +133,8 @@ class Orchestrator:
             final = State.ABORTED
             raise
         finally:
+            span.set_attribute("state", final.value)
+            end_span(span, error)
             self._active.pop(request_id, None)
             for t in tasks:
                 t.cancel()
@@ -166,6 +180,8 @@ class Orchestrator:
         last_error: Exception | None = None
         while seq.attempt < self.max_attempts:
             seq.attempt += 1
+            if seq.aborted:
+                break
             try:
                 async for chunk in self._attempt(seq, tried):
                     yield chunk
@@ -182,6 +198,10 @@ class Orchestrator:
                                "migrating" if seq.sent else "retrying")
                 last_error = err
             await self._abort_everywhere(seq)
+        if seq.aborted:
+            yield Chunk(index=seq.index, token_ids=[], text="", finish_reason="abort",
+                        prompt_tokens=len(seq.prompt))
+            return
         if seq.sent:
             raise StreamFailed(f"request failed after {len(seq.sent)} tokens: {last_error}")
         if isinstance(last_error, grpc.aio.AioRpcError):
@@ -218,9 +238,15 @@ class Orchestrator:
         tried.add(decode.address)
         seq.holders.add(decode.address)
         decode.inflight += 1
+        span = _tracer.start_span("gateway.decode", context=seq.trace_ctx,
+                                  attributes={"worker": decode.address,
+                                              "migrated": bool(seq.sent)})
+        error: BaseException | None = None
         try:
             first_chunk = True
-            async for c in self.pool.stub(decode.address).Decode(request):
+            with current(span):
+                stream = self.pool.stub(decode.address).Decode(request)
+            async for c in stream:
                 chunk = Chunk(
                     index=seq.index, token_ids=list(c.token_ids), text=c.text,
                     logprobs=list(c.logprobs), finish_reason=c.finish_reason or None,
@@ -235,7 +261,12 @@ class Orchestrator:
                 yield chunk
                 if chunk.finish_reason:
                     return
+        except BaseException as exc:
+            error = exc
+            raise
         finally:
+            span.set_attribute("tokens", len(seq.sent))
+            end_span(span, error)
             decode.inflight -= 1
             seq.holders.discard(decode.address)
         raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None,
@@ -243,12 +274,19 @@ class Orchestrator:
 
     async def _reserve(self, seq: Sequence, candidates: list[WorkerView], params):
         for decode in candidates:
+            span = _tracer.start_span("gateway.reserve", context=seq.trace_ctx,
+                                      attributes={"worker": decode.address})
             try:
-                reply = await self.pool.stub(decode.address).Reserve(worker_pb2.ReserveRequest(
-                    request_id=seq.request_id, prompt_token_ids=seq.prompt, params=params,
-                    lease_ms=self.lease_ms, attempt=seq.attempt,
-                ), timeout=10.0)
+                with current(span):
+                    call = self.pool.stub(decode.address).Reserve(worker_pb2.ReserveRequest(
+                        request_id=seq.request_id, prompt_token_ids=seq.prompt, params=params,
+                        lease_ms=self.lease_ms, attempt=seq.attempt,
+                    ), timeout=10.0)
+                reply = await call
+                span.set_attribute("blocks", len(reply.ticket.block_ids))
+                end_span(span)
             except grpc.aio.AioRpcError as err:
+                end_span(span, err)
                 if err.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     raise
                 logger.info("reserve on %s failed: %s", decode.address, err.details())
@@ -268,14 +306,26 @@ class Orchestrator:
         # together see each other's load when they pick.
         seq.holders.add(prefill.address)
         prefill.inflight += 1
+        span = _tracer.start_span("gateway.prefill", context=seq.trace_ctx,
+                                  attributes={"worker": prefill.address,
+                                              "transport": self.transport})
         try:
             await self._state(seq, State.PREFILLING, prefill=prefill)
-            return await self.pool.stub(prefill.address).Prefill(worker_pb2.PrefillRequest(
-                request_id=seq.request_id, prompt_token_ids=seq.prompt, params=params,
-                ticket=ticket, transport=self.transport,
-            ))
-        except grpc.aio.AioRpcError:
+            with current(span):
+                call = self.pool.stub(prefill.address).Prefill(worker_pb2.PrefillRequest(
+                    request_id=seq.request_id, prompt_token_ids=seq.prompt, params=params,
+                    ticket=ticket, transport=self.transport,
+                ))
+            reply = await call
+            span.set_attribute("kv_bytes", reply.kv_bytes)
+            end_span(span)
+            return reply
+        except grpc.aio.AioRpcError as err:
+            end_span(span, err)
             tried.add(prefill.address)
+            raise
+        except BaseException as exc:
+            end_span(span, exc)
             raise
         finally:
             prefill.inflight -= 1
@@ -305,6 +355,8 @@ class Orchestrator:
         """Abort by id from outside the request's own stream (all workers).
         Returns whether this gateway is running the request."""
         seqs = self._active.get(request_id)
+        for seq in seqs or ():
+            seq.aborted = True
         # With n > 1 the workers know the sequences ("{id}-{i}"), not the request.
         ids = [s.request_id for s in seqs] if seqs else [request_id]
         addresses = [w.address for w in self.pool.workers.values() if w.healthy]

@@ -11,6 +11,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+
 from engine.config import ModelConfig
 from engine.loader.resolve import model_fingerprint, resolve_model_dir
 from engine.sampling_params import SamplingParams
@@ -21,6 +24,9 @@ from gateway.router import WorkerPool
 from gateway.state import make_store
 from rpc.errors import Draining, NotFound, Overloaded
 from rpc.pool import ChannelPool
+from rpc.tracing import tracer
+
+_tracer = tracer("tandem.gateway")
 
 logger = logging.getLogger("gateway")
 
@@ -128,7 +134,9 @@ class GatewayService:
     # ---- generation ---------------------------------------------------------------------
 
     async def generate(self, prompt: list[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[Chunk]:
+                       request_id: str | None = None,
+                       trace_parent: otel_context.Context | None = None,
+                       ) -> AsyncIterator[Chunk]:
         """Validated, admitted, measured generation. Raises Draining (503),
         Overloaded (429) or ValueError (400) before the first chunk."""
         self.check_length(prompt, params)
@@ -147,7 +155,8 @@ class GatewayService:
         reasons: dict[int, str] = {}
         finished_ok = False
         try:
-            async for chunk in self.orchestrator.generate(request_id, prompt, params):
+            async for chunk in self.orchestrator.generate(request_id, prompt, params,
+                                                          trace_parent):
                 now = time.monotonic()
                 if chunk.token_ids:
                     if last is None:
@@ -175,10 +184,20 @@ class GatewayService:
                 "request %s %s: %d prompt tokens, %d generated, %.3fs",
                 request_id, "finished" if finished_ok else "ended early", len(prompt),
                 sum(counts.values()), e2e,
-                extra={"request_id": request_id,
+                extra={"request_id": request_id, "trace_id": _trace_id(trace_parent),
                        "timings": {"e2e_s": round(e2e, 4), "ttft_s": None if first_at is None
                                    else round(first_at - start, 4)}},
             )
+
+
+def request_span(name: str, parent: otel_context.Context | None) -> trace.Span:
+    """The root span of one API call (a child of the caller's traceparent)."""
+    return _tracer.start_span(name, context=parent)
+
+
+def _trace_id(ctx: otel_context.Context | None) -> str | None:
+    span_ctx = trace.get_current_span(ctx).get_span_context()
+    return format(span_ctx.trace_id, "032x") if span_ctx.is_valid else None
 
 
 def _default_name(model: str | None, model_dir: Path) -> str:

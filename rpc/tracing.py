@@ -18,7 +18,8 @@ from __future__ import annotations
 import json
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
@@ -108,3 +109,26 @@ def context_from_grpc(metadata) -> otel_context.Context:
 def current_trace_id() -> str | None:
     ctx = trace.get_current_span().get_span_context()
     return format(ctx.trace_id, "032x") if ctx.is_valid else None
+
+
+@contextmanager
+def current(span: trace.Span) -> Iterator[None]:
+    """Make ``span`` current while a gRPC call is created, so the grpc.aio
+    instrumentation sends its context. Hold it only around the call's
+    creation: in an async generator, a context held across a ``yield``
+    would leak into the consumer."""
+    token = otel_context.attach(trace.set_span_in_context(span))
+    try:
+        yield
+    finally:
+        otel_context.detach(token)
+
+
+def end_span(span: trace.Span, error: BaseException | None = None) -> None:
+    """End ``span`` (once: a second call does nothing), recording ``error``."""
+    if not span.is_recording():
+        return
+    if error is not None and not isinstance(error, (GeneratorExit,)):
+        span.record_exception(error)
+        span.set_status(trace.Status(trace.StatusCode.ERROR, str(error) or type(error).__name__))
+    span.end()

@@ -18,7 +18,11 @@ port=$(.venv/bin/python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1
 workdir=$(mktemp -d)
 redis-server --port "$port" --bind 127.0.0.1 --save '' --appendonly no \
     --daemonize yes --pidfile "$workdir/redis.pid" --dir "$workdir" --logfile "$workdir/redis.log"
-cleanup() { kill "$(cat "$workdir/redis.pid" 2>/dev/null)" 2>/dev/null || true; rm -rf "$workdir"; }
+cleanup() {
+    redis-cli -p "$port" shutdown nosave >/dev/null 2>&1 || kill "$(cat "$workdir/redis.pid" 2>/dev/null)" 2>/dev/null || true
+    for _ in $(seq 50); do [ -e "$workdir/redis.pid" ] || break; sleep 0.1; done
+    rm -rf "$workdir" 2>/dev/null || true
+}
 trap cleanup EXIT
 for _ in $(seq 50); do redis-cli -p "$port" ping >/dev/null 2>&1 && break; sleep 0.1; done
 

@@ -369,6 +369,37 @@ async def test_unused_reservation_expires(workers, gw):
     await gw.wait_idle(workers.all)
 
 
+async def test_reserve_racing_abort_or_deadline_leaks_nothing(workers, gw):
+    """A Reserve whose call is cancelled (deadline) or aborted while its blocks
+    are being taken must not leave them held by nobody."""
+    decode = workers.decodes[1]
+    sp = params(temperature=0, max_tokens=4)
+    stub = gw.stub(decode)
+
+    def reserve(rid: str, timeout: float):
+        return stub.Reserve(worker_pb2.ReserveRequest(
+            request_id=rid, prompt_token_ids=unique_prompt(100), params=sp, lease_ms=300),
+            timeout=timeout)
+
+    for round in range(3):
+        # A migrated request recomputes its 900-token prompt on the decode
+        # worker: the reservations queue behind that long step, and the
+        # deadlines and aborts land while they wait.
+        busy = asyncio.ensure_future(gw.decode(
+            decode, f"race-busy-{round}", _with(sp, max_tokens=8), prompt=unique_prompt(900),
+            migrated=[7]))
+        await asyncio.sleep(0.005)
+        calls = []
+        for i in range(8):
+            rid = f"race-{round}-{i}"
+            calls.append(reserve(f"{rid}-deadline", 0.005 * (i + 1)))
+            calls.append(reserve(f"{rid}-abort", 10))
+            calls.append(gw.abort(decode, f"{rid}-abort"))
+        await asyncio.gather(*calls, return_exceptions=True)
+        await busy
+    await gw.wait_idle(workers.all, timeout=10)  # leases of 300 ms cover what survived
+
+
 async def test_decode_of_unknown_request_is_not_found(workers, gw):
     decode = workers.decodes[0]
     sp = params(temperature=0, max_tokens=4, ignore_eos=True)

@@ -115,9 +115,12 @@ class Gateway:
 
     async def decode(self, w: Worker, request_id: str, p: common_pb2.SamplingParams,
                      first: worker_pb2.PrefillResponse | None = None,
-                     prompt: list[int] | None = None, attempt: int = 0) -> Completion:
+                     prompt: list[int] | None = None, attempt: int = 0,
+                     migrated: list[int] | None = None) -> Completion:
+        """``migrated``: tokens already sent (a migration recomputes them)."""
         req = worker_pb2.DecodeRequest(request_id=request_id, params=p, attempt=attempt,
-                                       prompt_token_ids=prompt or [])
+                                       prompt_token_ids=prompt or [],
+                                       output_token_ids=migrated or [])
         out = Completion()
         if first is not None:
             # NOTE: the decode worker streams the prefill's first token too

@@ -137,6 +137,7 @@ def build_app(gen: HFGenerator, name: str):
                                  "finish_reason": finish}]}
 
         async def deltas() -> AsyncIterator[str | dict]:
+            """Text as it becomes whole, then {finish, completion_tokens}."""
             ids: list[int] = []
             text = ""
             while (token := await queue.get()) is not None:
@@ -146,18 +147,21 @@ def build_app(gen: HFGenerator, name: str):
                     continue
                 delta, text = full[len(text):], full
                 yield delta
-            ids_count = len(ids)
-            yield {"finish": await job, "completion_tokens": ids_count}
+            yield {"finish": await job, "completion_tokens": len(ids)}
 
         def usage(n: int) -> dict:
             return {"prompt_tokens": len(prompt), "completion_tokens": n,
                     "total_tokens": len(prompt) + n}
 
         if not body.get("stream"):
-            text, end = "", {}
+            parts, end = [], {}
             async for d in deltas():
-                text, end = (text + d, end) if isinstance(d, str) else (text, d)
-            return {**event(text, end["finish"]), "usage": usage(end["completion_tokens"])}
+                if isinstance(d, str):
+                    parts.append(d)
+                else:
+                    end = d
+            return {**event("".join(parts), end["finish"]),
+                    "usage": usage(end["completion_tokens"])}
 
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
 

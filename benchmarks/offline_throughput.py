@@ -146,6 +146,7 @@ def main() -> None:
           f"{sum(prompt_lens)} ({min(prompt_lens)}-{max(prompt_lens)}), output tokens "
           f"{work.num_output_tokens} ({min(work.output_lens)}-{max(work.output_lens)})")  # fmt: skip
     print(f"sha256      {work.sha256}")
+    print(f"load avg    {os.getloadavg()[0]:.2f} at start (other processes share these cores)")
 
     results: dict[str, tuple[float, list[list[int]]]] = {}
     warm = Workload([list(range(FIRST_PLAIN_TOKEN, FIRST_PLAIN_TOKEN + 16))] * 2, [4, 4])
@@ -170,6 +171,7 @@ def main() -> None:
             print(f"hf-static   {results['hf-static'][0]:.1f}s", flush=True)
 
     reference = results.get("hf-serial")
+    print(f"load avg    {os.getloadavg()[0]:.2f} at end")
     print()
     print("| system | wall s | output tok/s | tandem speedup | same tokens as hf-serial |")
     print("|---|---:|---:|---:|---:|")

@@ -12,10 +12,10 @@ from collections.abc import Callable
 
 from engine.cli_args import add_engine_args, config_from_args
 from engine.llm_engine import LLMEngine
+from rpc.logs import setup_logging
 from rpc.protos import worker_pb2, worker_pb2_grpc
 from rpc.server import GrpcServer, serve_until_signal
 from worker.base import WorkerBase
-from rpc.logs import setup_logging
 from worker.registry import Registration
 from worker.servicer import WorkerServicer
 

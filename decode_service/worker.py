@@ -12,6 +12,8 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
+from opentelemetry import context as otel_context
+
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.request import RequestStatus
@@ -19,10 +21,12 @@ from kv_transfer.receiver import KVReceiver
 from rpc.convert import logprobs_from_proto, params_from_proto
 from rpc.errors import Fenced, NotFound, Overloaded
 from rpc.protos import worker_pb2
+from rpc.tracing import end_span, tracer
 from worker.base import WorkerBase
 from worker.outputs import prompt_logprobs_to_proto, to_chunk
 
 logger = logging.getLogger("decode")
+_tracer = tracer("tandem.decode")
 
 DEFAULT_LEASE_MS = 30_000
 
@@ -96,10 +100,18 @@ class DecodeWorker(WorkerBase):
         )
 
     async def receive_grpc(self, chunks) -> int:
-        return await self.receiver.receive_grpc(chunks)
+        with _tracer.start_as_current_span("kv_transfer.receive",
+                                           attributes={"transport": "grpc"}) as span:
+            received = await self.receiver.receive_grpc(chunks)
+            span.set_attribute("bytes", received)
+            return received
 
     async def receive_torch(self, req: worker_pb2.ExpectKVRequest) -> int:
-        return await self.receiver.receive_torch(req)
+        with _tracer.start_as_current_span("kv_transfer.receive", attributes={
+                "transport": "torch", "request_id": req.request_id}) as span:
+            received = await self.receiver.receive_torch(req)
+            span.set_attribute("bytes", received)
+            return received
 
     async def open_group(self, req: worker_pb2.OpenTransferGroupRequest) -> None:
         await self.receiver.open_group(req)
@@ -123,6 +135,12 @@ class DecodeWorker(WorkerBase):
             add = self._start_local(req)
         start = time.monotonic()
         last: float | None = None
+        # A child of the call's server span. Not made current: this is an
+        # async generator, and a context held across a yield would leak.
+        span = _tracer.start_span("decode.generate", context=otel_context.get_current(),
+                                  attributes={"request_id": request_id,
+                                              "reserved": req.HasField("first_token_id")})
+        steps, error = 0, None
         self.inflight.add(request_id)
         try:
             first = True
@@ -130,6 +148,9 @@ class DecodeWorker(WorkerBase):
                 comp = out.outputs[0]
                 now = time.monotonic()
                 if comp.delta_token_ids:
+                    steps += 1
+                    if last is None:
+                        span.set_attribute("queue_s", now - start)
                     if last is None:
                         self.metrics.ttft.observe(now - start)
                     else:
@@ -144,7 +165,12 @@ class DecodeWorker(WorkerBase):
                                                   len(comp.token_ids), comp.finish_reason or "",
                                                   now - start)
                 yield chunk
+        except BaseException as exc:
+            error = exc
+            raise
         finally:
+            span.set_attributes({"steps": steps, "tokens": len(comp.token_ids) if steps else 0})
+            end_span(span, None if isinstance(error, GeneratorExit) else error)
             self.inflight.discard(request_id)
 
     def _continue_reserved(self, req: worker_pb2.DecodeRequest):
@@ -224,6 +250,9 @@ class DecodeWorker(WorkerBase):
             await asyncio.sleep(0.2)
             now = time.monotonic()
             for request_id, expiry in list(self.leases.items()):
+                r = self.receiver.reservations.get(request_id)
+                if r is not None and (r.writing or r.complete):
+                    continue  # KV is arriving or here: the request is alive
                 if expiry <= now:
                     logger.info("lease of %s expired: freeing its blocks", request_id)
                     self.metrics.reservations_expired.inc()

@@ -87,8 +87,10 @@ class AsyncEngine:
             raise
         except BaseException:
             self._streams.pop(request_id, None)
-            if not self._closed:  # cancelled mid-add: the add may still land
-                asyncio.ensure_future(self.abort(request_id))
+            if not self._closed:
+                # Cancelled mid-add: the add may still land. The abort is queued
+                # now, right behind the add, not after whatever comes next.
+                self._submit(lambda engine: engine.abort_request(request_id), True)
             raise
         finished = False
         try:
@@ -114,6 +116,9 @@ class AsyncEngine:
         """Run ``fn(engine)`` on the engine thread between two steps. With
         ``emits_outputs``, ``fn`` returns RequestOutputs (or None) that are
         dispatched before the outputs of the step that follows it."""
+        return await self._submit(fn, emits_outputs)
+
+    def _submit(self, fn: Callable[[LLMEngine], T], emits_outputs: bool) -> asyncio.Future:
         if self._closed:
             raise RuntimeError("the engine is shut down")
         self._ensure_loop()
@@ -121,7 +126,7 @@ class AsyncEngine:
         with self._ops_lock:
             self._ops.append((fn, future, emits_outputs))
         self._wake.set()
-        return await future
+        return future
 
     async def shutdown(self) -> None:
         self._closed = True

@@ -48,6 +48,9 @@ RETRYABLE = {
 }
 
 
+LEASE_MS_PER_PROMPT_TOKEN = 25
+
+
 class StreamFailed(TandemError):
     """The request failed after tokens were sent and could not be migrated."""
 
@@ -243,7 +246,7 @@ class Orchestrator:
                                               "migrated": bool(seq.sent)})
         error: BaseException | None = None
         try:
-            first_chunk = True
+            first_chunk, finished = True, False
             with current(span):
                 stream = self.pool.stub(decode.address).Decode(request)
             async for c in stream:
@@ -260,7 +263,12 @@ class Orchestrator:
                 seq.sent.extend(chunk.token_ids)
                 yield chunk
                 if chunk.finish_reason:
-                    return
+                    finished = True
+                    # NOTE: read on to the stream's end (it ends right after
+                    # this chunk) so the call completes now, not whenever it
+                    # is garbage collected.
+            if finished:
+                return
         except BaseException as exc:
             error = exc
             raise
@@ -280,7 +288,7 @@ class Orchestrator:
                 with current(span):
                     call = self.pool.stub(decode.address).Reserve(worker_pb2.ReserveRequest(
                         request_id=seq.request_id, prompt_token_ids=seq.prompt, params=params,
-                        lease_ms=self.lease_ms, attempt=seq.attempt,
+                        lease_ms=self._lease_ms(len(seq.prompt)), attempt=seq.attempt,
                     ), timeout=10.0)
                 reply = await call
                 span.set_attribute("blocks", len(reply.ticket.block_ids))
@@ -295,6 +303,12 @@ class Orchestrator:
             decode.free_blocks -= len(reply.ticket.block_ids)
             return decode, reply.ticket
         raise Overloaded("no decode worker has room for the request")
+
+    def _lease_ms(self, prompt_tokens: int) -> int:
+        """The reservation must outlive the prompt's queueing and compute on
+        the prefill worker, which grows with the prompt (seconds per thousand
+        tokens on a CPU): the configured base plus a margin per token."""
+        return self.lease_ms + LEASE_MS_PER_PROMPT_TOKEN * prompt_tokens
 
     async def _prefill(self, seq: Sequence, ticket, params, tried: set[str]):
         prefill = self.pool.pick_prefill(seq.prompt, tried) or self.pool.pick_prefill(

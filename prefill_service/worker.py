@@ -19,9 +19,11 @@ from rpc.convert import logprobs_to_proto, params_from_proto
 from rpc.errors import Fenced
 from rpc.pool import ChannelPool
 from rpc.protos import worker_pb2
+from rpc.tracing import current, end_span, tracer
 from worker.base import WorkerBase
 
 logger = logging.getLogger("prefill")
+_tracer = tracer("tandem.prefill")
 
 
 class PrefillWorker(WorkerBase):
@@ -95,18 +97,35 @@ class PrefillWorker(WorkerBase):
         self.inflight.add(request_id)
         try:
             final = None
-            async for out in self.aengine.stream(request_id, add):
-                final = out
-            seq = holder["seq"]
+            with _tracer.start_as_current_span("prefill.compute") as span:
+                async for out in self.aengine.stream(request_id, add):
+                    final = out
+                seq = holder["seq"]
+                span.set_attributes({"prompt_tokens": len(tokens),
+                                     "cached_tokens": seq.num_cached_tokens,
+                                     "queue_s": _queue_seconds(seq)})
             if final is None or final.outputs[0].finish_reason == "abort":
                 raise Fenced(f"request {request_id!r} was aborted during prefill")
             comp = final.outputs[0]
             first_token = comp.token_ids[0]
-            transfer = asyncio.ensure_future(sender.send(request_id, ticket, list(seq.block_ids)))
+            send_span = _tracer.start_span("kv_transfer.send", attributes={
+                "transport": sender.name, "peer": ticket.decode_worker_id,
+                "blocks": len(seq.block_ids),
+            })
+            # The task copies the current context: created under the span, its
+            # calls to the decode worker carry it.
+            with current(send_span):
+                transfer = asyncio.ensure_future(
+                    sender.send(request_id, ticket, list(seq.block_ids)))
             self.transfers[request_id] = transfer
             try:
                 stats = await transfer
-            except asyncio.CancelledError:
+                send_span.set_attribute("bytes", stats.bytes)
+                end_span(send_span)
+            except BaseException as exc:
+                end_span(send_span, exc)
+                if not isinstance(exc, asyncio.CancelledError):
+                    raise
                 if asyncio.current_task().cancelling():
                     raise  # the call itself was cancelled
                 raise Fenced(f"request {request_id!r} was aborted during the KV transfer") from None
@@ -139,6 +158,12 @@ class PrefillWorker(WorkerBase):
             await sender.close()
         await self.channels.close()
         await super().close()
+
+
+def _queue_seconds(seq) -> float:
+    if seq.first_scheduled_time is None:
+        return 0.0
+    return seq.first_scheduled_time - seq.arrival_time
 
 
 def _release(engine: LLMEngine, request_id: str, seq) -> None:

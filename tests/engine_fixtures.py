@@ -68,9 +68,15 @@ def toy_tokenizer():
     return tok
 
 
-@functools.cache
 def tiny_with_tokenizer(name: str = "llama-gqa") -> Path:
     """A copy of a tiny model directory with the toy tokenizer and a chat template."""
+    # NOTE: one cache key per name, however it is passed: f() and f("llama-gqa")
+    # are different functools.cache keys and would copy the directory twice.
+    return _tiny_with_tokenizer(name)
+
+
+@functools.cache
+def _tiny_with_tokenizer(name: str) -> Path:
     src, _ = tiny(name)
     path = root() / f"{name}-tok"
     shutil.copytree(src, path)

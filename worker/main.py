@@ -15,6 +15,7 @@ from engine.llm_engine import LLMEngine
 from rpc.logs import setup_logging
 from rpc.protos import worker_pb2, worker_pb2_grpc
 from rpc.server import GrpcServer, serve_until_signal
+from rpc.tracing import setup_tracing
 from worker.base import WorkerBase
 from worker.registry import Registration
 from worker.servicer import WorkerServicer
@@ -48,6 +49,7 @@ def run(make_worker: WorkerFactory, description: str, roles: list[str],
         argv: list[str] | None = None) -> None:
     args = parser(description, roles).parse_args(argv)
     setup_logging(args.log_format)
+    setup_tracing(f"tandem-{args.role}")
     asyncio.run(serve(make_worker, args))
 
 

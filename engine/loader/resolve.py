@@ -43,10 +43,25 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 
 def model_fingerprint(model_dir: Path) -> str:
-    """Same config and same weight files (by name and size): same fingerprint.
-    Workers compare it before moving KV; the gateway before routing to them."""
+    """Identifies the weights a worker serves; workers compare it before
+    moving KV, the gateway before routing to them.
+
+    Covers config.json, each safetensors file's header (tensor names, shapes,
+    dtypes, offsets) and a few 64 KiB samples of its data, so two fine-tunes
+    of one base model differ. Reads well under a megabyte.
+    """
     h = hashlib.sha256()
     h.update((Path(model_dir) / "config.json").read_bytes())
     for f in safetensors_files(Path(model_dir)):
-        h.update(f"{f.name}:{f.stat().st_size}".encode())
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with open(f, "rb") as fh:
+            header_len = int.from_bytes(fh.read(8), "little")
+            h.update(fh.read(min(header_len, 1 << 24)))
+            for fraction in (0.25, 0.5, 0.75, 0.999):
+                fh.seek(int(size * fraction))
+                h.update(fh.read(_SAMPLE_BYTES))
     return h.hexdigest()[:16]
+
+
+_SAMPLE_BYTES = 64 << 10

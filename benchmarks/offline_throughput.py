@@ -1,6 +1,6 @@
 """Offline throughput on SmolLM2-135M: Tandem ``LLM.generate`` against Hugging Face ``generate``.
 
-    PYTHONPATH=. python benchmarks/offline_throughput.py [--num-requests 16] [--seed 0]
+    PYTHONPATH=. python benchmarks/offline_throughput.py [--num-requests 8] [--seed 0]
 
 One process, one seeded workload of random-token prompts (lengths drawn from [32, 512]) and
 output lengths (drawn from [16, 256]), every request greedy with ``ignore_eos`` so each produces
@@ -115,13 +115,13 @@ def run_hf_static(model, work: Workload, batch_size: int) -> tuple[float, list[l
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--num-requests", type=int, default=16)
+    parser.add_argument("--num-requests", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--min-prompt-len", type=int, default=32)
     parser.add_argument("--max-prompt-len", type=int, default=512)
     parser.add_argument("--min-output-len", type=int, default=16)
     parser.add_argument("--max-output-len", type=int, default=256)
-    parser.add_argument("--hf-batch-size", type=int, default=8, help="static batch size")
+    parser.add_argument("--hf-batch-size", type=int, default=4, help="static batch size")
     parser.add_argument("--model", default=None, help="default: the bundled SmolLM2 GGUF")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     parser.add_argument(
@@ -184,6 +184,13 @@ def main() -> None:
             agree = sum(a == b for a, b in zip(tokens, reference[1]))
             same = f"{agree}/{len(tokens)}"
         print(f"| {label} | {seconds:.1f} | {rate:.1f} | {speedup} | {same} |")
+    if reference is not None:
+        for name, (_, tokens) in results.items():
+            for i, (ours, ref) in enumerate(zip(tokens, reference[1])):
+                if ours != ref:
+                    at = next(j for j, (a, b) in enumerate(zip(ours, ref)) if a != b)
+                    print(f"{name}: request {i} leaves hf-serial's greedy path at output "
+                          f"token {at} of {len(ref)}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from gateway.router import WorkerPool, WorkerView
 from gateway.state import State, StateStore
 from rpc.convert import params_to_proto
 from rpc.errors import Overloaded, TandemError, from_rpc_error
+from rpc.logs import request_id_var
 from rpc.protos import worker_pb2
 from rpc.tracing import current, end_span, tracer
 
@@ -156,6 +157,7 @@ class Orchestrator:
         await self._finish(request_id, seqs, final)
 
     async def _pump(self, seq: Sequence, queue: asyncio.Queue) -> None:
+        request_id_var.set(seq.record_id or seq.request_id)  # this task's log lines
         try:
             async for chunk in self._run(seq):
                 queue.put_nowait(chunk)

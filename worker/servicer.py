@@ -5,6 +5,7 @@ from __future__ import annotations
 import grpc
 
 from rpc.errors import TandemError
+from rpc.logs import request_id_var
 from rpc.protos import worker_pb2, worker_pb2_grpc
 
 
@@ -29,16 +30,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return await self.worker.info()
 
     async def Reserve(self, request, context):
+        request_id_var.set(request.request_id)
         return worker_pb2.ReserveResponse(ticket=await self._method("reserve")(request))
 
     async def Prefill(self, request, context):
+        request_id_var.set(request.request_id)
         return await self._method("prefill")(request)
 
     async def Decode(self, request, context):
+        request_id_var.set(request.request_id)
         async for chunk in self._method("decode")(request):
             yield chunk
 
     async def Abort(self, request, context):
+        request_id_var.set(request.request_id)
         return worker_pb2.AbortResponse(found=await self.worker.abort(request.request_id))
 
     async def PushKV(self, request_iterator, context):
@@ -46,6 +51,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.PushKVResponse(bytes_received=received)
 
     async def ExpectKV(self, request, context):
+        request_id_var.set(request.request_id)
         received = await self._method("receive_torch")(request)
         return worker_pb2.PushKVResponse(bytes_received=received)
 

@@ -101,6 +101,16 @@ class ModelConfig:
             raise ValueError(f"{model_dir} holds no config.json: not a supported model directory")
         return cls.from_dict(json.loads(path.read_text()))
 
+    def check_prompt(self, token_ids: list[int]) -> None:
+        """ValueError for an empty prompt or an id outside the vocabulary."""
+        if not token_ids:
+            raise ValueError("prompt must not be empty")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
+            )
+
     @property
     def max_model_len(self) -> int:
         """The longest context the model may be run at. Sliding-window

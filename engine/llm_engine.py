@@ -85,12 +85,7 @@ class LLMEngine:
         return None, token_ids
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
-        if not token_ids:
-            raise ValueError("prompt must not be empty")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        self.model_config.check_prompt(token_ids)
         total = len(token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(

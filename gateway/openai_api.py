@@ -136,12 +136,7 @@ def build_app(service: GatewayService) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        span = request_span("POST /v1/completions", context_from_headers(request.headers))
-        try:
-            return await _completions(body, span)
-        except BaseException as exc:
-            end_span(span, exc)
-            raise
+        return await _traced("POST /v1/completions", request, _completions, body)
 
     async def _completions(body: CompletionRequest, span):
         service.check_model(body.model)
@@ -156,22 +151,13 @@ def build_app(service: GatewayService) -> FastAPI:
         for t, p in zip(token_lists, params):
             service.check_length(t, p)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        merged = _merge(service, rid, token_lists, params, span)
-        first = await _first(merged)
         render = _CompletionRenderer(service, rid, len(token_lists), params[0].n,
                                      body.logprobs or 0)
-        if body.stream:
-            return _sse(render.stream(first, merged, body.include_usage))
-        return await render.collect(first, merged)
+        return await _answer(render, _merge(service, rid, token_lists, params, span), body)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
-        span = request_span("POST /v1/chat/completions", context_from_headers(request.headers))
-        try:
-            return await _chat(body, span)
-        except BaseException as exc:
-            end_span(span, exc)
-            raise
+        return await _traced("POST /v1/chat/completions", request, _chat, body)
 
     async def _chat(body: ChatCompletionRequest, span):
         service.check_model(body.model)
@@ -191,14 +177,29 @@ def build_app(service: GatewayService) -> FastAPI:
         params = body.sampling(max_tokens, top)
         service.check_length(tokens, params)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        merged = _merge(service, rid, [tokens], [params], span)
-        first = await _first(merged)
         render = _ChatRenderer(service, rid, params.n, top or 0)
-        if body.stream:
-            return _sse(render.stream(first, merged, body.include_usage))
-        return await render.collect(first, merged)
+        return await _answer(render, _merge(service, rid, [tokens], [params], span), body)
 
     return app
+
+
+async def _traced(name: str, request: Request, handler, body):
+    """Run ``handler(body, span)`` under the API call's root span (a child of
+    the caller's traceparent); the span ends with the response stream."""
+    span = request_span(name, context_from_headers(request.headers))
+    try:
+        return await handler(body, span)
+    except BaseException as exc:
+        end_span(span, exc)
+        raise
+
+
+async def _answer(render, merged: AsyncIterator, body):
+    """A JSON body, or server-sent events for ``stream: true``."""
+    first = await _first(merged)
+    if body.stream:
+        return _sse(render.stream(first, merged, body.include_usage))
+    return await render.collect(first, merged)
 
 
 def _prompts(prompt) -> list[str | list[int]]:

@@ -107,12 +107,7 @@ class GatewayService:
             if not prompt:
                 raise ValueError("prompt must not be empty")
             return self.tokenizer.encode(prompt)
-        if not prompt:
-            raise ValueError("prompt must not be empty")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        self.model_config.check_prompt(prompt)
         return list(prompt)
 
     def tokenize_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:

@@ -7,19 +7,16 @@ Tandem's own (``tandem:kv_transfer_*``, ``tandem:kv_reservations_*``).
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import Counter, Gauge, Histogram
 
-LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                   2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+from rpc.metrics import LATENCY_BUCKETS, RequestMetrics
 
 
-class WorkerMetrics:
+class WorkerMetrics(RequestMetrics):
     def __init__(self, worker_id: str, role: str) -> None:
-        self.registry = r = CollectorRegistry()
+        super().__init__()
+        r = self.registry
         self.worker_id, self.role = worker_id, role
-        self.running = Gauge("vllm:num_requests_running", "Requests in the running batch",
-                             registry=r)
         self.waiting = Gauge("vllm:num_requests_waiting",
                              "Requests waiting (for a batch slot or for their KV)", registry=r)
         self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)",
@@ -28,19 +25,6 @@ class WorkerMetrics:
                                       "Prompt tokens looked up in the prefix cache", registry=r)
         self.prefix_hits = Counter("vllm:prefix_cache_hits",
                                    "Prompt tokens found in the prefix cache", registry=r)
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token",
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between output tokens",
-                             buckets=LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Request latency on this worker",
-                             buckets=LATENCY_BUCKETS, registry=r)
-        self.prompt_tokens = Histogram("vllm:request_prompt_tokens", "Prompt tokens per request",
-                                       buckets=TOKEN_BUCKETS, registry=r)
-        self.generation_tokens = Histogram("vllm:request_generation_tokens",
-                                           "Generated tokens per request",
-                                           buckets=TOKEN_BUCKETS, registry=r)
-        self.success = Counter("vllm:request_success", "Finished requests by finish reason",
-                               ["finished_reason"], registry=r)
         self.transfer_bytes = Counter("tandem:kv_transfer_bytes", "KV bytes moved",
                                       ["transport", "direction"], registry=r)
         self.transfer_seconds = Histogram("tandem:kv_transfer_seconds", "Duration of a KV transfer",
@@ -82,6 +66,3 @@ class WorkerMetrics:
         self.generation_tokens.observe(generated)
         self.success.labels(reason).inc()
         self.e2e.observe(e2e)
-
-    def render(self) -> bytes:
-        return generate_latest(self.registry)

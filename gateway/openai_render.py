@@ -1,0 +1,164 @@
+"""OpenAI response bodies and stream chunks, built from the gateway's chunks:
+``collect`` for a JSON response, ``stream`` for server-sent events."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from gateway.orchestrator import Chunk
+from gateway.service import GatewayService
+
+
+class Renderer:
+    object_name = ""
+    chunk_object = ""
+
+    def __init__(self, service: GatewayService, rid: str, num_choices: int) -> None:
+        self.service = service
+        self.rid = rid
+        self.created = int(time.time())
+        self.num_choices = num_choices
+        self.prompt_tokens: dict[int, int] = {}
+        self.cached_tokens: dict[int, int] = {}
+        self.completion_tokens = 0
+
+    def _account(self, prompt_index: int, chunk: Chunk) -> None:
+        self.completion_tokens += len(chunk.token_ids)
+        if chunk.finish_reason:
+            self.prompt_tokens[prompt_index] = chunk.prompt_tokens
+            self.cached_tokens[prompt_index] = chunk.cached_tokens
+
+    def usage(self) -> dict:
+        prompt = sum(self.prompt_tokens.values())
+        return {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens,
+                "total_tokens": prompt + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens.values())}}
+
+    def token_text(self, token_id: int) -> str:
+        return self.service.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    async def _all(self, first, merged):
+        if first is not None:
+            yield first
+            async for item in merged:
+                yield item
+
+    def _envelope(self, choices: list, obj: str) -> dict:
+        return {"id": self.rid, "object": obj, "created": self.created,
+                "model": self.service.model_name, "choices": choices}
+
+
+class CompletionRenderer(Renderer):
+    def __init__(self, service, rid, num_prompts: int, n: int, top_n: int) -> None:
+        super().__init__(service, rid, num_prompts * n)
+        self.n = n
+        self.top_n = top_n
+        self.offsets: dict[int, int] = {}
+
+    def _logprobs(self, choice: int, chunk: Chunk) -> dict | None:
+        if not chunk.logprobs:
+            return None
+        tokens, values, tops, offsets = [], [], [], []
+        for lp in chunk.logprobs:
+            text = self.token_text(lp.token_id)
+            offsets.append(self.offsets.get(choice, 0))
+            self.offsets[choice] = offsets[-1] + len(text)
+            tokens.append(text)
+            values.append(lp.logprob)
+            top = list(zip(lp.top_token_ids, lp.top_logprobs))[: self.top_n]
+            tops.append({self.token_text(t): v for t, v in top})
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
+                "text_offset": offsets}
+
+    async def stream(self, first, merged, include_usage: bool) -> AsyncIterator[dict]:
+        async for p, chunk in self._all(first, merged):
+            self._account(p, chunk)
+            choice = p * self.n + chunk.index
+            yield self._envelope([{
+                "index": choice, "text": chunk.text, "logprobs": self._logprobs(choice, chunk),
+                "finish_reason": chunk.finish_reason,
+            }], "text_completion")
+        if include_usage:
+            yield {**self._envelope([], "text_completion"), "usage": self.usage()}
+
+    async def collect(self, first, merged) -> dict:
+        choices: dict[int, dict] = {}
+        async for p, chunk in self._all(first, merged):
+            self._account(p, chunk)
+            index = p * self.n + chunk.index
+            c = choices.setdefault(index, {"index": index, "text": "", "logprobs": None,
+                                           "finish_reason": None})
+            c["text"] += chunk.text
+            lp = self._logprobs(index, chunk)
+            if lp is not None:
+                if c["logprobs"] is None:
+                    c["logprobs"] = lp
+                else:
+                    for key in lp:
+                        c["logprobs"][key].extend(lp[key])
+            if chunk.finish_reason:
+                c["finish_reason"] = chunk.finish_reason
+        body = self._envelope([choices[i] for i in sorted(choices)], "text_completion")
+        body["usage"] = self.usage()
+        return body
+
+
+class ChatRenderer(Renderer):
+    def __init__(self, service, rid, n: int, top_n: int) -> None:
+        super().__init__(service, rid, n)
+        self.top_n = top_n
+
+    def _logprobs(self, chunk: Chunk) -> dict | None:
+        if not chunk.logprobs:
+            return None
+        content = []
+        for lp in chunk.logprobs:
+            text = self.token_text(lp.token_id)
+            content.append({
+                "token": text, "logprob": lp.logprob, "bytes": list(text.encode()),
+                "top_logprobs": [
+                    {"token": (t := self.token_text(tid)), "logprob": v, "bytes": list(t.encode())}
+                    for tid, v in list(zip(lp.top_token_ids, lp.top_logprobs))[: self.top_n]
+                ],
+            })
+        return {"content": content}
+
+    async def stream(self, first, merged, include_usage: bool) -> AsyncIterator[dict]:
+        started: set[int] = set()
+        async for p, chunk in self._all(first, merged):
+            self._account(p, chunk)
+            delta: dict[str, Any] = {}
+            if chunk.index not in started:
+                started.add(chunk.index)
+                delta["role"] = "assistant"
+            if chunk.text or not delta:
+                delta["content"] = chunk.text
+            yield self._envelope([{
+                "index": chunk.index, "delta": delta, "logprobs": self._logprobs(chunk),
+                "finish_reason": chunk.finish_reason,
+            }], "chat.completion.chunk")
+        if include_usage:
+            yield {**self._envelope([], "chat.completion.chunk"), "usage": self.usage()}
+
+    async def collect(self, first, merged) -> dict:
+        choices: dict[int, dict] = {}
+        async for p, chunk in self._all(first, merged):
+            self._account(p, chunk)
+            c = choices.setdefault(chunk.index, {
+                "index": chunk.index, "message": {"role": "assistant", "content": ""},
+                "logprobs": None, "finish_reason": None,
+            })
+            c["message"]["content"] += chunk.text
+            lp = self._logprobs(chunk)
+            if lp is not None:
+                if c["logprobs"] is None:
+                    c["logprobs"] = lp
+                else:
+                    c["logprobs"]["content"].extend(lp["content"])
+            if chunk.finish_reason:
+                c["finish_reason"] = chunk.finish_reason
+        body = self._envelope([choices[i] for i in sorted(choices)], "chat.completion")
+        body["usage"] = self.usage()
+        return body

@@ -89,9 +89,8 @@ def hf_generate(model, prompts: list[list[int]], max_new_tokens: int) -> list[li
         ids[row, width - len(prompt) :] = torch.tensor(prompt)
         mask[row, width - len(prompt) :] = 1
     out = model.generate(
-        ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
-        min_new_tokens=max_new_tokens, pad_token_id=0,
-    )  # fmt: skip
+        ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=0
+    )
     if out.shape[1] != width + max_new_tokens:
         raise RuntimeError("hugging face stopped early")
     return out[:, width:].tolist()
@@ -162,6 +161,9 @@ def main() -> None:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+        # NOTE: the equivalent of ignore_eos. min_new_tokens would not do: it bans EOS from
+        # being chosen, where ignore_eos lets the model choose it and carries on.
+        model.generation_config.eos_token_id = None
         run_hf_static(model, warm, 2)
         if "hf-serial" in systems:
             results["hf-serial"] = run_hf_serial(model, work)

@@ -33,6 +33,9 @@ class KVSender(ABC):
     """
 
     name: str
+    # True: the sender implements ``send_progressive`` and can stream blocks
+    # while a chunked prefill is still computing later ones.
+    streams_during_compute = False
 
     def __init__(self) -> None:
         # Decode worker id -> bytes/s measured at first contact (None: failed).

@@ -11,6 +11,7 @@ import grpc
 from kv_transfer.base import PREFLIGHT_BYTES, KVSender
 from kv_transfer.block_io import BlockIO, to_bytes
 from kv_transfer.layout import KVLayout, TransferStats
+from kv_transfer.progress import PrefillProgress
 from rpc.channel import MAX_MESSAGE_BYTES
 from rpc.errors import peer_error
 from rpc.pool import ChannelPool
@@ -23,6 +24,7 @@ CHUNK_BYTES = 4 << 20
 
 class GrpcSender(KVSender):
     name = "grpc"
+    streams_during_compute = True
 
     def __init__(self, io: BlockIO, layout: KVLayout, channels: ChannelPool) -> None:
         super().__init__()
@@ -55,6 +57,44 @@ class GrpcSender(KVSender):
                         first_block=lo, num_blocks=len(ids), data=data, attempt=ticket.attempt,
                     )
                     first = False
+
+        try:
+            reply = await stub.PushKV(chunks())
+        except grpc.aio.AioRpcError as err:
+            raise peer_error(err, f"decode worker {ticket.decode_worker_id}") from None
+        return TransferStats("grpc", reply.bytes_received, time.perf_counter() - start)
+
+    async def send_progressive(self, request_id: str, ticket: worker_pb2.Ticket,
+                               progress: PrefillProgress) -> TransferStats:
+        """Stream blocks as the prefill computes them: the bytes of early
+        chunks travel while later chunks are computed, so only the last
+        chunk's KV is left to send when the prompt is done."""
+        if progress.total != len(ticket.block_ids):
+            raise ValueError(f"{progress.total} blocks to send for a ticket of "
+                             f"{len(ticket.block_ids)}")
+        await self._first_contact(ticket)
+        stub = worker_pb2_grpc.WorkerStub(self.channels.get(ticket.decode_address))
+        start = time.perf_counter()
+        header = self.layout.to_proto()
+        step = self.blocks_per_chunk
+
+        async def chunks():
+            sent, first = 0, True
+            while sent < progress.total:
+                ready = await progress.wait_beyond(sent)
+                data = await progress.read(sent, ready)  # [layers, 2, n, ...]
+                if data is None:  # preempted since: wait for the recompute
+                    continue
+                for layer in range(self.layout.num_layers):
+                    for lo in range(0, ready - sent, step):
+                        piece = data[layer, :, lo : lo + step]
+                        yield worker_pb2.KVChunk(
+                            request_id=request_id, layout=header if first else None,
+                            layer=layer, first_block=sent + lo, num_blocks=piece.shape[1],
+                            data=to_bytes(piece), attempt=ticket.attempt,
+                        )
+                        first = False
+                sent = ready
 
         try:
             reply = await stub.PushKV(chunks())

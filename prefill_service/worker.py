@@ -11,9 +11,11 @@ import logging
 import time
 
 from engine.llm_engine import LLMEngine
+from engine.request import RequestStatus
 from kv_transfer.base import KVSender
 from kv_transfer.grpc_transport import GrpcSender
 from kv_transfer.layout import KVLayout
+from kv_transfer.progress import PrefillProgress
 from kv_transfer.torch_transport import TorchSender
 from rpc.convert import logprobs_to_proto, params_from_proto
 from rpc.errors import Fenced
@@ -95,7 +97,17 @@ class PrefillWorker(WorkerBase):
             engine.scheduler.add_request(seqs[0])
 
         self.inflight.add(request_id)
+        transfer: asyncio.Future | None = None
+        watch = None
         try:
+            if sender.streams_during_compute:
+                # Blocks travel as chunks of the prompt finish computing.
+                progress = PrefillProgress(len(ticket.block_ids), self._reader(holder))
+                watch = _watcher(holder, progress, self.engine.kv.block_size)
+                self.aengine.step_hooks.append(watch)
+                send_span, transfer = self._start_send(
+                    sender, ticket, sender.send_progressive(request_id, ticket, progress))
+                self.transfers[request_id] = transfer
             final = None
             with _tracer.start_as_current_span("prefill.compute") as span:
                 async for out in self.aengine.stream(request_id, add):
@@ -108,16 +120,12 @@ class PrefillWorker(WorkerBase):
                 raise Fenced(f"request {request_id!r} was aborted during prefill")
             comp = final.outputs[0]
             first_token = comp.token_ids[0]
-            send_span = _tracer.start_span("kv_transfer.send", attributes={
-                "transport": sender.name, "peer": ticket.decode_worker_id,
-                "blocks": len(seq.block_ids),
-            })
-            # The task copies the current context: created under the span, its
-            # calls to the decode worker carry it.
-            with current(send_span):
-                transfer = asyncio.ensure_future(
-                    sender.send(request_id, ticket, list(seq.block_ids)))
-            self.transfers[request_id] = transfer
+            if transfer is None:
+                send_span, transfer = self._start_send(
+                    sender, ticket, sender.send(request_id, ticket, list(seq.block_ids)))
+                self.transfers[request_id] = transfer
+            else:
+                progress.complete()
             try:
                 stats = await transfer
                 send_span.set_attribute("bytes", stats.bytes)
@@ -138,6 +146,10 @@ class PrefillWorker(WorkerBase):
                 self.metrics.observe_transfer(sender.name, "send", 0, 0.0, False)
             raise
         finally:
+            if watch is not None:
+                self.aengine.step_hooks.remove(watch)
+            if transfer is not None and not transfer.done():
+                transfer.cancel()  # the compute failed or was aborted mid-stream
             self.inflight.discard(request_id)
             await self.aengine.run(lambda e: _release(e, request_id, holder.get("seq")))
         resp = worker_pb2.PrefillResponse(
@@ -153,11 +165,55 @@ class PrefillWorker(WorkerBase):
             )
         return resp
 
+    def _start_send(self, sender: KVSender, ticket: worker_pb2.Ticket, coro):
+        """The transfer task, under a span of its own: the task copies the
+        current context, so its calls to the decode worker carry the span."""
+        span = _tracer.start_span("kv_transfer.send", attributes={
+            "transport": sender.name, "peer": ticket.decode_worker_id,
+            "blocks": len(ticket.block_ids),
+        })
+        with current(span):
+            return span, asyncio.ensure_future(coro)
+
+    def _reader(self, holder: dict):
+        """Reads blocks of the request on the engine thread between two
+        steps, so no step writes or frees them meanwhile."""
+        bs = self.engine.kv.block_size
+
+        async def read(lo: int, hi: int):
+            def op(engine: LLMEngine):
+                seq = holder.get("seq")
+                if seq is None or seq.status is RequestStatus.FINISHED_ABORTED:
+                    return None
+                done = len(seq.block_ids) if seq.finished else seq.num_computed_tokens // bs
+                if hi > done:
+                    return None  # preempted since: recomputing
+                return self.io.read(seq.block_ids[lo:hi])
+
+            return await self.aengine.run(op)
+
+        return read
+
     async def close(self) -> None:
         for sender in self.senders.values():
             await sender.close()
         await self.channels.close()
         await super().close()
+
+
+def _watcher(holder: dict, progress: PrefillProgress, block_size: int):
+    """A step hook that publishes how many of the request's blocks are done."""
+
+    def watch(_outputs) -> None:
+        seq = holder.get("seq")
+        if seq is None:
+            return
+        if seq.finished:
+            progress.complete()
+        else:
+            progress.update(seq.num_computed_tokens // block_size)
+
+    return watch
 
 
 def _queue_seconds(seq) -> float:

@@ -50,6 +50,8 @@ def hf_model():
     model = AutoModelForCausalLM.from_pretrained(
         str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
     )
+    # Like ignore_eos: EOS may be chosen and generation carries on past it.
+    model.generation_config.eos_token_id = None
     return model.eval()
 
 
@@ -61,7 +63,6 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
             max_new_tokens=max_new_tokens,
             do_sample=False,
-            eos_token_id=None,
             pad_token_id=0,
         )
     return out[0, len(prompt) :].tolist()

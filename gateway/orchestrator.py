@@ -283,6 +283,7 @@ class Orchestrator:
                                    details="decode stream ended without a finish reason")
 
     async def _reserve(self, seq: Sequence, candidates: list[WorkerView], params):
+        refused: grpc.aio.AioRpcError | None = None
         for decode in candidates:
             span = _tracer.start_span("gateway.reserve", context=seq.trace_ctx,
                                       attributes={"worker": decode.address})
@@ -298,12 +299,17 @@ class Orchestrator:
             except grpc.aio.AioRpcError as err:
                 end_span(span, err)
                 if err.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                    raise
+                    # Parameters the gateway let through are fine everywhere; what
+                    # one worker refuses is its own limit (a smaller KV cache than
+                    # the request needs in all): another worker may be bigger.
+                    refused = err
                 logger.info("reserve on %s failed: %s", decode.address, err.details())
                 continue
             seq.holders.add(decode.address)
             decode.free_blocks -= len(reply.ticket.block_ids)
             return decode, reply.ticket
+        if refused is not None:
+            raise refused
         raise Overloaded("no decode worker has room for the request")
 
     def _lease_ms(self, prompt_tokens: int) -> int:

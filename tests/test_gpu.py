@@ -1,0 +1,54 @@
+"""Checks that need a CUDA device: compiled Triton kernels and the engine on
+the GPU. Skipped (not faked) without one. Run on a GPU machine with
+
+    TRITON_INTERPRET=0 pytest -m gpu tests/test_gpu.py
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
+                       reason="set TRITON_INTERPRET=0 to compile the kernels for the GPU"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_compiled_decode_kernel_matches_reference(dtype):
+    from kernels import reference
+    from kernels.decode_attention import paged_decode_attention
+
+    torch.manual_seed(0)
+    num_blocks, block_size, kv_heads, heads, dim = 256, 16, 8, 32, 128
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, device="cuda", dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    seq_lens = torch.tensor([1, 15, 16, 17, 700], device="cuda", dtype=torch.int32)
+    tables = torch.randperm(num_blocks, device="cuda")[: 5 * 48].view(5, 48).int()
+    query = torch.randn(5, heads, dim, device="cuda", dtype=dtype)
+    out = paged_decode_attention(query, k_cache, v_cache, tables, seq_lens, dim**-0.5)
+    ref = reference.paged_decode_attention(query.float(), k_cache.float(), v_cache.float(),
+                                           tables, seq_lens, dim**-0.5)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_engine_on_gpu_matches_cpu(tmp_path):
+    from tandem import LLM, SamplingParams
+    from tests.tiny_models import build_tiny_model
+
+    model_dir, _ = build_tiny_model("llama-gqa", tmp_path)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (3, 17, 40)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outputs = {}
+    for device in ("cpu", "cuda"):
+        llm = LLM(str(model_dir), device=device, num_blocks=64, block_size=16)
+        outputs[device] = [o.outputs[0].token_ids
+                           for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert outputs["cuda"] == outputs["cpu"]

@@ -29,6 +29,8 @@ logger = logging.getLogger("decode")
 _tracer = tracer("tandem.decode")
 
 DEFAULT_LEASE_MS = 30_000
+# How long KV that has fully arrived waits for its Decode call, past the lease.
+CLAIM_GRACE_S = 30.0
 
 
 class DecodeWorker(WorkerBase):
@@ -141,10 +143,13 @@ class DecodeWorker(WorkerBase):
                                   attributes={"request_id": request_id,
                                               "reserved": req.HasField("first_token_id")})
         steps, error = 0, None
+        # Closed in `finally`: a cancelled call aborts the request now, not
+        # whenever the generator is garbage collected.
+        outs = self.aengine.stream(request_id, add)
         self.inflight.add(request_id)
         try:
             first = True
-            async for out in self.aengine.stream(request_id, add):
+            async for out in outs:
                 comp = out.outputs[0]
                 now = time.monotonic()
                 if comp.delta_token_ids:
@@ -172,6 +177,7 @@ class DecodeWorker(WorkerBase):
             span.set_attributes({"steps": steps, "tokens": len(comp.token_ids) if steps else 0})
             end_span(span, None if isinstance(error, GeneratorExit) else error)
             self.inflight.discard(request_id)
+            await outs.aclose()
 
     def _continue_reserved(self, req: worker_pb2.DecodeRequest):
         request_id = req.request_id
@@ -251,8 +257,12 @@ class DecodeWorker(WorkerBase):
             now = time.monotonic()
             for request_id, expiry in list(self.leases.items()):
                 r = self.receiver.reservations.get(request_id)
-                if r is not None and (r.writing or r.complete):
-                    continue  # KV is arriving or here: the request is alive
+                if r is not None and r.writing:
+                    continue  # KV is arriving: the request is alive
+                if r is not None and r.completed_at is not None:
+                    # The KV is here: the gateway's Decode call should follow at
+                    # once; if it never does (the gateway died), free the blocks.
+                    expiry = max(expiry, r.completed_at + CLAIM_GRACE_S)
                 if expiry <= now:
                     logger.info("lease of %s expired: freeing its blocks", request_id)
                     self.metrics.reservations_expired.inc()

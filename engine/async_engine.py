@@ -157,14 +157,9 @@ class AsyncEngine:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            try:
-                results, outputs = await loop.run_in_executor(self._thread, self._tick, ops)
-            except Exception as exc:  # the model failed: fail every request, keep serving
-                logger.exception("engine step failed")
-                await loop.run_in_executor(self._thread, self._abort_all)
-                for queue in self._streams.values():
-                    queue.put_nowait(RuntimeError(f"engine step failed: {exc}"))
-                continue
+            results, outputs, failed = await loop.run_in_executor(self._thread, self._tick, ops)
+            # NOTE: the ops' results are handed back even when the step after
+            # them failed: their callers (an add, an abort) would wait forever.
             for (_, future, _), (ok, value) in zip(ops, results):
                 if future.done():
                     continue
@@ -172,6 +167,14 @@ class AsyncEngine:
                     future.set_result(value)
                 else:
                     future.set_exception(value)
+            if failed is not None:  # the model failed: fail what was running, keep serving
+                logger.error("engine step failed", exc_info=failed)
+                aborted = await loop.run_in_executor(self._thread, self._abort_after_failure)
+                for request_id in aborted:
+                    queue = self._streams.get(request_id)
+                    if queue is not None:
+                        queue.put_nowait(RuntimeError(f"engine step failed: {failed}"))
+                continue
             self._dispatch(outputs)
             if not ops and not outputs and not self.engine.scheduler.num_running:
                 # NOTE: requests wait but none fits (their blocks are held, e.g.
@@ -184,7 +187,8 @@ class AsyncEngine:
                 if idle:
                     await self._wake.wait()
 
-    def _tick(self, ops) -> tuple[list[tuple[bool, Any]], list[RequestOutput]]:
+    def _tick(self, ops) -> tuple[list[tuple[bool, Any]], list[RequestOutput],
+                                  Exception | None]:
         results, outputs = [], []
         for fn, _, emits in ops:
             try:
@@ -196,11 +200,24 @@ class AsyncEngine:
             except Exception as exc:
                 results.append((False, exc))
         if self.engine.has_unfinished_requests():
-            outputs.extend(self.engine.step())
-        return results, outputs
+            try:
+                outputs.extend(self.engine.step())
+            except Exception as exc:
+                return results, outputs, exc
+        return results, outputs, None
 
-    def _abort_all(self) -> None:
-        self.engine.abort_request(list(self.engine.outputs.groups))
+    def _abort_after_failure(self) -> list[str]:
+        """Abort every request the failed step may have touched, and forget
+        the prefix cache: it published blocks the step never wrote.
+        Reservations waiting for remote KV are left alone: they were not in
+        the step, and a transfer may be writing their blocks."""
+        engine = self.engine
+        remote = set(engine.scheduler.remote)
+        ids = [rid for rid in engine.outputs.groups
+               if not any(s.request_id in remote for s in engine.outputs.sequences(rid))]
+        engine.abort_request(ids)
+        engine.kv.pool.reset_prefix_cache()
+        return ids
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

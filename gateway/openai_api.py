@@ -24,8 +24,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from gateway.openai_render import ChatRenderer, CompletionRenderer
 from gateway.orchestrator import Chunk
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
-from gateway.service import GatewayService, request_span
-from rpc.errors import Draining, NotFound, Overloaded, TandemError
+from gateway.service import GatewayService, ModelNotFound, request_span
+from rpc.errors import Draining, Overloaded, TandemError
 from rpc.tracing import context_from_headers, end_span, tracer
 
 logger = logging.getLogger("gateway")
@@ -53,7 +53,7 @@ def error_response(exc: BaseException) -> JSONResponse:
     if isinstance(exc, Draining):
         return JSONResponse(error_body(str(exc), "service_unavailable", "draining"), 503,
                             headers={"Retry-After": RETRY_AFTER_S})
-    if isinstance(exc, NotFound):
+    if isinstance(exc, ModelNotFound):
         return JSONResponse(error_body(str(exc), "invalid_request_error", "model_not_found",
                                        "model"), 404)
     if isinstance(exc, ValueError):

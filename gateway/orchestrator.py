@@ -53,7 +53,10 @@ LEASE_MS_PER_PROMPT_TOKEN = 25
 
 
 class StreamFailed(TandemError):
-    """The request failed after tokens were sent and could not be migrated."""
+    """The workers failed the request and no retry or migration was left
+    (REST 502, gRPC UNAVAILABLE)."""
+
+    code = grpc.StatusCode.UNAVAILABLE
 
 
 @dataclass
@@ -210,7 +213,14 @@ class Orchestrator:
         if seq.sent:
             raise StreamFailed(f"request failed after {len(seq.sent)} tokens: {last_error}")
         if isinstance(last_error, grpc.aio.AioRpcError):
-            raise from_rpc_error(last_error) from None
+            if last_error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise Overloaded(last_error.details()) from None
+            # NOTE: not the worker's own status: a worker's NOT_FOUND or
+            # UNAVAILABLE would reach the client as "model not found" or
+            # "draining"; what failed is the cluster behind the gateway.
+            raise StreamFailed(f"no worker could serve the request after {seq.attempt} "
+                               f"attempts: {last_error.code().name}: "
+                               f"{last_error.details()}") from None
         raise last_error or Overloaded("no worker could take the request")
 
     async def _attempt(self, seq: Sequence, tried: set[str]) -> AsyncIterator[Chunk]:
@@ -278,7 +288,10 @@ class Orchestrator:
             span.set_attribute("tokens", len(seq.sent))
             end_span(span, error)
             decode.inflight -= 1
-            seq.holders.discard(decode.address)
+            if error is None:
+                seq.holders.discard(decode.address)
+            # else: it stays a holder, so the Abort that precedes a retry reaches
+            # it before the retry can reuse the request id there.
         raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None,
                                    details="decode stream ended without a finish reason")
 

@@ -38,6 +38,7 @@ class Reservation:
     complete: bool = False
     writing: bool = False
     cancelled: bool = False
+    completed_at: float | None = None  # monotonic time the last byte landed
 
 
 class KVReceiver:
@@ -217,6 +218,7 @@ class KVReceiver:
             raise ValueError(f"received {r.bytes_received} KV bytes, expected {expected}")
         r.writing = False
         r.complete = True
+        r.completed_at = time.monotonic()
         self._notify(transport, r.bytes_received, start, True)
         return r.bytes_received
 

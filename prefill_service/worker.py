@@ -102,7 +102,7 @@ class PrefillWorker(WorkerBase):
         try:
             if sender.streams_during_compute:
                 # Blocks travel as chunks of the prompt finish computing.
-                progress = PrefillProgress(len(ticket.block_ids), self._reader(holder))
+                progress = PrefillProgress(len(ticket.block_ids), self._reader(holder, request_id))
                 watch = _watcher(holder, progress, self.engine.kv.block_size)
                 self.aengine.step_hooks.append(watch)
                 send_span, transfer = self._start_send(
@@ -148,8 +148,10 @@ class PrefillWorker(WorkerBase):
         finally:
             if watch is not None:
                 self.aengine.step_hooks.remove(watch)
-            if transfer is not None and not transfer.done():
-                transfer.cancel()  # the compute failed or was aborted mid-stream
+            if transfer is not None:
+                if not transfer.done():
+                    transfer.cancel()  # the compute failed or was aborted mid-stream
+                transfer.add_done_callback(lambda f: f.cancelled() or f.exception())
             self.inflight.discard(request_id)
             await self.aengine.run(lambda e: _release(e, request_id, holder.get("seq")))
         resp = worker_pb2.PrefillResponse(
@@ -175,7 +177,7 @@ class PrefillWorker(WorkerBase):
         with current(span):
             return span, asyncio.ensure_future(coro)
 
-    def _reader(self, holder: dict):
+    def _reader(self, holder: dict, request_id: str):
         """Reads blocks of the request on the engine thread between two
         steps, so no step writes or frees them meanwhile."""
         bs = self.engine.kv.block_size
@@ -184,7 +186,8 @@ class PrefillWorker(WorkerBase):
             def op(engine: LLMEngine):
                 seq = holder.get("seq")
                 if seq is None or seq.status is RequestStatus.FINISHED_ABORTED:
-                    return None
+                    # Not None ("not yet"): the sender would ask again forever.
+                    raise Fenced(f"request {request_id!r} was aborted")
                 done = len(seq.block_ids) if seq.finished else seq.num_computed_tokens // bs
                 if hi > done:
                     return None  # preempted since: recomputing

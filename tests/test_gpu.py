@@ -39,8 +39,9 @@ def test_compiled_decode_kernel_matches_reference(dtype):
 
 
 def test_engine_on_gpu_matches_cpu(tmp_path):
+    from tiny_models import build_tiny_model
+
     from tandem import LLM, SamplingParams
-    from tests.tiny_models import build_tiny_model
 
     model_dir, _ = build_tiny_model("llama-gqa", tmp_path)
     rng = random.Random(0)

@@ -14,21 +14,21 @@ import time
 
 import httpx
 import pytest
+from gateway_fixtures import SERVED, start_gateway, wait_until
 from opentelemetry import propagate
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from worker_fixtures import metric, scrape, start_worker
 
 from tandem.cluster import LocalCluster
-from tests.gateway_fixtures import SERVED, start_gateway, wait_until
-from tests.worker_fixtures import metric, scrape, start_worker
 
 PROMPT = "the quick brown fox"
 
 
 @pytest.fixture(scope="module")
 def traced(tmp_path_factory):
-    from tests.gateway_fixtures import tiny_model
+    from gateway_fixtures import tiny_model
 
     trace_file = tmp_path_factory.mktemp("traces") / "spans.jsonl"
     cluster = LocalCluster(env={"TANDEM_TRACE_FILE": str(trace_file)})

@@ -6,9 +6,9 @@ from __future__ import annotations
 import random
 
 import pytest
+from tiny_models import build_tiny_model
 
 from tandem import LLM, SamplingParams
-from tests.tiny_models import build_tiny_model
 
 
 @pytest.fixture(scope="module")

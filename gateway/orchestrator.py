@@ -225,9 +225,10 @@ class Orchestrator:
 
     async def _attempt(self, seq: Sequence, tried: set[str]) -> AsyncIterator[Chunk]:
         needed = len(seq.prompt) + len(seq.sent) + 1
-        candidates = self.pool.decode_candidates(needed, tried)
-        if not candidates:
-            candidates = self.pool.decode_candidates(needed, set())
+        candidates = (self.pool.decode_candidates(needed, tried)
+                      or self.pool.decode_candidates(needed, set())
+                      # The polled free counts lag behind finished requests: ask.
+                      or self.pool.decode_candidates(needed, set(), require_room=False))
         if not candidates:
             raise Overloaded("no decode worker has room for the request")
         params = params_to_proto(seq.params)

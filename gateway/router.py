@@ -155,15 +155,22 @@ class WorkerPool:
         """No prefill workers: 'both' workers serve whole requests."""
         return not self.usable(("prefill",)) and bool(self.usable(("both",)))
 
-    def decode_candidates(self, num_tokens: int, exclude: set[str]) -> list[WorkerView]:
-        """Decode workers that can hold ``num_tokens``, most free blocks first."""
+    def decode_candidates(self, num_tokens: int, exclude: set[str],
+                          require_room: bool = True) -> list[WorkerView]:
+        """Decode workers that can hold ``num_tokens``, most free blocks first.
+
+        ``require_room`` trusts the free-block counts of the last poll; they
+        lag (blocks freed since come back only at the next poll), so without
+        it every worker whose whole cache is big enough is a candidate and
+        its Reserve answer decides.
+        """
         roles = ("both",) if self.colocated else ("decode", "both")
         out = []
         for w in self.usable(roles):
             if w.address in exclude:
                 continue
             needed = -(-num_tokens // w.block_size)
-            if w.free_blocks >= needed:
+            if w.num_blocks >= needed and (w.free_blocks >= needed or not require_room):
                 out.append(w)
         return sorted(out, key=lambda w: (-w.free_blocks, w.load))
 

@@ -274,3 +274,32 @@ class RedisMonitor:
             if "state" in w and (not states or states[-1] != w["state"]):
                 states.append(w["state"])
         return states
+
+
+def module_cluster(num_blocks: int, roles: Iterable[str] = ("prefill", "decode")):
+    """The module-scoped fixtures most gateway tests share: a cluster, its
+    tiny-model workers, a gateway in front of them, and a check after every
+    test that every block on every worker is free again. Use as
+
+        cluster, workers, gateway, no_leaks = module_cluster(NUM_BLOCKS)
+    """
+
+    @pytest.fixture(scope="module")
+    def cluster():
+        with LocalCluster() as c:
+            yield c
+
+    @pytest.fixture(scope="module")
+    def workers(cluster):
+        return start_workers(cluster, list(roles), num_blocks)
+
+    @pytest.fixture(scope="module")
+    def gateway(cluster, workers):
+        return start_gateway(cluster, workers)
+
+    @pytest.fixture(autouse=True)
+    def no_leaks(workers):
+        yield
+        wait_blocks_free(workers)
+
+    return cluster, workers, gateway, no_leaks

@@ -16,6 +16,7 @@ from gateway_fixtures import (
     SERVED,
     assert_error,
     iter_sse,
+    module_cluster,
     start_gateway,
     start_workers,
     wait_blocks_free,
@@ -23,7 +24,6 @@ from gateway_fixtures import (
 )
 
 from rpc.protos import common_pb2, generation_pb2
-from tandem.cluster import LocalCluster
 
 NUM_BLOCKS = 64  # 1024 tokens: the tiny model's whole context
 # A decode worker with 24 blocks of 16 tokens has room for 384 tokens, less
@@ -34,32 +34,13 @@ MESSAGES = [{"role": "user", "content": "hello"}]
 API_KEY = "s3cret-key"
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    with LocalCluster() as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def workers(cluster):
-    return start_workers(cluster, ["prefill", "decode"], NUM_BLOCKS)
-
-
-@pytest.fixture(scope="module")
-def gateway(cluster, workers):
-    return start_gateway(cluster, workers)
+cluster, workers, gateway, no_leaks = module_cluster(NUM_BLOCKS)
 
 
 @pytest.fixture(scope="module")
 def http(gateway):
     with gateway.http() as h:
         yield h
-
-
-@pytest.fixture(autouse=True)
-def no_leaks(workers):
-    yield
-    wait_blocks_free(workers)
 
 
 # ---- 400 ---------------------------------------------------------------------------------

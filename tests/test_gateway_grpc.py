@@ -10,8 +10,7 @@ import grpc
 import pytest
 from gateway_fixtures import (
     SERVED,
-    start_gateway,
-    start_workers,
+    module_cluster,
     tiny_model,
     wait_blocks_free,
     wait_until,
@@ -21,27 +20,13 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from engine.tokenizer import Tokenizer
 from rpc.protos import common_pb2, generation_pb2
-from tandem.cluster import LocalCluster
 
 NUM_BLOCKS = 64
 PROMPT = "the quick brown fox"
 SERVICE = "tandem.v1.Generation"
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    with LocalCluster() as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def workers(cluster):
-    return start_workers(cluster, ["prefill", "decode"], NUM_BLOCKS)
-
-
-@pytest.fixture(scope="module")
-def gateway(cluster, workers):
-    return start_gateway(cluster, workers)
+cluster, workers, gateway, no_leaks = module_cluster(NUM_BLOCKS)
 
 
 @pytest.fixture(scope="module")
@@ -55,12 +40,6 @@ def stub(gateway):
 def http(gateway):
     with gateway.http() as h:
         yield h
-
-
-@pytest.fixture(autouse=True)
-def no_leaks(workers):
-    yield
-    wait_blocks_free(workers)
 
 
 def greedy(max_tokens: int, **kw) -> common_pb2.SamplingParams:

@@ -6,7 +6,14 @@ one smoke test on the real SmolLM2."""
 from __future__ import annotations
 
 import pytest
-from gateway_fixtures import SERVED, start_gateway, start_workers, tiny_model, wait_blocks_free
+from gateway_fixtures import (
+    SERVED,
+    module_cluster,
+    start_gateway,
+    start_workers,
+    tiny_model,
+    wait_blocks_free,
+)
 from worker_fixtures import metric
 
 from engine.tokenizer import Tokenizer
@@ -18,20 +25,7 @@ PROMPT = "the quick brown fox"
 MESSAGES = [{"role": "user", "content": "hello tandem"}]
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    with LocalCluster() as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def workers(cluster):
-    return start_workers(cluster, ["prefill", "decode"], NUM_BLOCKS)
-
-
-@pytest.fixture(scope="module")
-def gateway(cluster, workers):
-    return start_gateway(cluster, workers)
+cluster, workers, gateway, no_leaks = module_cluster(NUM_BLOCKS)
 
 
 @pytest.fixture(scope="module")
@@ -43,13 +37,6 @@ def client(gateway):
 @pytest.fixture(scope="module")
 def tokenizer():
     return Tokenizer(tiny_model())
-
-
-@pytest.fixture(autouse=True)
-def no_leaks(workers):
-    """After every test, every block on every worker is free again."""
-    yield
-    wait_blocks_free(workers)
 
 
 def test_models(client, gateway):

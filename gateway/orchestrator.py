@@ -225,10 +225,15 @@ class Orchestrator:
 
     async def _attempt(self, seq: Sequence, tried: set[str]) -> AsyncIterator[Chunk]:
         needed = len(seq.prompt) + len(seq.sent) + 1
-        candidates = (self.pool.decode_candidates(needed, tried)
-                      or self.pool.decode_candidates(needed, set())
-                      # The polled free counts lag behind finished requests: ask.
-                      or self.pool.decode_candidates(needed, set(), require_room=False))
+        # Workers with room by the last poll come first, untried ones before
+        # tried ones; then every other worker big enough for the request: the
+        # polled free counts lag behind requests that finished since, and a
+        # worker's Reserve answer is the truth.
+        candidates = self.pool.decode_candidates(needed, tried)
+        for w in (self.pool.decode_candidates(needed, set())
+                  + self.pool.decode_candidates(needed, set(), require_room=False)):
+            if w not in candidates:
+                candidates.append(w)
         if not candidates:
             raise Overloaded("no decode worker has room for the request")
         params = params_to_proto(seq.params)
@@ -298,6 +303,8 @@ class Orchestrator:
 
     async def _reserve(self, seq: Sequence, candidates: list[WorkerView], params):
         refused: grpc.aio.AioRpcError | None = None
+        unreachable: grpc.aio.AioRpcError | None = None
+        full = False
         for decode in candidates:
             span = _tracer.start_span("gateway.reserve", context=seq.trace_ctx,
                                       attributes={"worker": decode.address})
@@ -317,13 +324,19 @@ class Orchestrator:
                     # one worker refuses is its own limit (a smaller KV cache than
                     # the request needs in all): another worker may be bigger.
                     refused = err
+                elif err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    full = True
+                else:
+                    unreachable = err
                 logger.info("reserve on %s failed: %s", decode.address, err.details())
                 continue
             seq.holders.add(decode.address)
             decode.free_blocks -= len(reply.ticket.block_ids)
             return decode, reply.ticket
-        if refused is not None:
+        if refused is not None and not full:
             raise refused
+        if unreachable is not None and not full:
+            raise unreachable  # retried: the pool will have noticed the dead worker
         raise Overloaded("no decode worker has room for the request")
 
     def _lease_ms(self, prompt_tokens: int) -> int:

@@ -26,6 +26,7 @@ class Tokenizer:
             self.chat_template = next(
                 (t["template"] for t in self.chat_template if t.get("name") == "default"), None
             )
+        self._template = None
         self.bos_token = _token_text(cfg.get("bos_token"))
         self.eos_token = _token_text(cfg.get("eos_token"))
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
@@ -50,14 +51,21 @@ class Tokenizer:
         if not self.chat_template:
             raise ValueError("this model has no chat template; send a plain prompt instead")
         _check_messages(messages)
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        template = env.from_string(self.chat_template)
-        return template.render(
+        return self._compiled_template().render(
             messages=messages, add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra,
         )
+
+
+    def _compiled_template(self):
+        """Compiled on first use and kept: not once per chat request."""
+        if self._template is not None:
+            return self._template
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        self._template = env.from_string(self.chat_template)
+        return self._template
 
 
 def _check_messages(messages: Any) -> None:

@@ -225,15 +225,7 @@ class Orchestrator:
 
     async def _attempt(self, seq: Sequence, tried: set[str]) -> AsyncIterator[Chunk]:
         needed = len(seq.prompt) + len(seq.sent) + 1
-        # Workers with room by the last poll come first, untried ones before
-        # tried ones; then every other worker big enough for the request: the
-        # polled free counts lag behind requests that finished since, and a
-        # worker's Reserve answer is the truth.
         candidates = self.pool.decode_candidates(needed, tried)
-        for w in (self.pool.decode_candidates(needed, set())
-                  + self.pool.decode_candidates(needed, set(), require_room=False)):
-            if w not in candidates:
-                candidates.append(w)
         if not candidates:
             raise Overloaded("no decode worker has room for the request")
         params = params_to_proto(seq.params)

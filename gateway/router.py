@@ -155,24 +155,22 @@ class WorkerPool:
         """No prefill workers: 'both' workers serve whole requests."""
         return not self.usable(("prefill",)) and bool(self.usable(("both",)))
 
-    def decode_candidates(self, num_tokens: int, exclude: set[str],
-                          require_room: bool = True) -> list[WorkerView]:
-        """Decode workers that can hold ``num_tokens``, most free blocks first.
+    def decode_candidates(self, num_tokens: int, tried: set[str]) -> list[WorkerView]:
+        """Every decode worker whose whole cache can hold ``num_tokens``, in
+        the order to ask them: room by the last poll first, then untried
+        before tried, then most free blocks, then least loaded.
 
-        ``require_room`` trusts the free-block counts of the last poll; they
-        lag (blocks freed since come back only at the next poll), so without
-        it every worker whose whole cache is big enough is a candidate and
-        its Reserve answer decides.
+        The polled free counts only order the list: they lag behind requests
+        that finished since the poll, and a worker's Reserve answer decides.
         """
         roles = ("both",) if self.colocated else ("decode", "both")
-        out = []
-        for w in self.usable(roles):
-            if w.address in exclude:
-                continue
-            needed = -(-num_tokens // w.block_size)
-            if w.num_blocks >= needed and (w.free_blocks >= needed or not require_room):
-                out.append(w)
-        return sorted(out, key=lambda w: (-w.free_blocks, w.load))
+        fits = [w for w in self.usable(roles) if w.num_blocks * w.block_size >= num_tokens]
+
+        def order(w: WorkerView):
+            room = w.free_blocks * w.block_size >= num_tokens
+            return (not room, w.address in tried, -w.free_blocks, w.load)
+
+        return sorted(fits, key=order)
 
     def pick_prefill(self, prompt: list[int], exclude: set[str]) -> WorkerView | None:
         candidates = [w for w in self.usable(("prefill",)) if w.address not in exclude]

@@ -65,7 +65,7 @@ class GatewayService:
         model_dir = resolve_model_dir(config.model)
         self.tokenizer = Tokenizer(model_dir)
         self.model_config = ModelConfig.from_dir(model_dir)
-        self.model_name = config.served_model_name or _default_name(config.model, model_dir)
+        self.model_name = config.served_model_name or default_model_name(config.model)
         limit = self.model_config.max_model_len
         self.max_model_len = min(config.max_model_len or limit, limit)
         self.channels = ChannelPool()
@@ -195,7 +195,8 @@ def _trace_id(ctx: otel_context.Context | None) -> str | None:
     return format(span_ctx.trace_id, "032x") if span_ctx.is_valid else None
 
 
-def _default_name(model: str | None, model_dir: Path) -> str:
+def default_model_name(model: str | None) -> str:
+    """The name a gateway serves ``model`` under when not told otherwise."""
     if model is None:
         return "SmolLM2-135M-Instruct"
     path = Path(model)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from kv_transfer.layout import KVLayout, model_fingerprint
+from engine.loader.resolve import model_fingerprint
+from kv_transfer.layout import KVLayout
 
 
 class BlockIO:

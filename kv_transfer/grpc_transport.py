@@ -36,33 +36,18 @@ class GrpcSender(KVSender):
         self._preflight_locks: dict[str, asyncio.Lock] = {}
 
     async def send(self, request_id, ticket, src_block_ids) -> TransferStats:
+        """All blocks at once: a prefill that is already complete."""
         if len(src_block_ids) != len(ticket.block_ids):
             raise ValueError(
                 f"{len(src_block_ids)} source blocks for a ticket of {len(ticket.block_ids)}"
             )
-        await self._first_contact(ticket)
-        stub = worker_pb2_grpc.WorkerStub(self.channels.get(ticket.decode_address))
-        start = time.perf_counter()
-        header = self.layout.to_proto()
-        step = self.blocks_per_chunk
 
-        async def chunks():
-            first = True
-            for layer in range(self.layout.num_layers):
-                for lo in range(0, len(src_block_ids), step):
-                    ids = src_block_ids[lo : lo + step]
-                    data = to_bytes(self.io.read_layer(layer, ids))
-                    yield worker_pb2.KVChunk(
-                        request_id=request_id, layout=header if first else None, layer=layer,
-                        first_block=lo, num_blocks=len(ids), data=data, attempt=ticket.attempt,
-                    )
-                    first = False
+        async def read(lo: int, hi: int):
+            return self.io.read(src_block_ids[lo:hi])
 
-        try:
-            reply = await stub.PushKV(chunks())
-        except grpc.aio.AioRpcError as err:
-            raise peer_error(err, f"decode worker {ticket.decode_worker_id}") from None
-        return TransferStats("grpc", reply.bytes_received, time.perf_counter() - start)
+        progress = PrefillProgress(len(src_block_ids), read)
+        progress.complete()
+        return await self.send_progressive(request_id, ticket, progress)
 
     async def send_progressive(self, request_id: str, ticket: worker_pb2.Ticket,
                                progress: PrefillProgress) -> TransferStats:

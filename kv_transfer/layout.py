@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from engine.loader.resolve import model_fingerprint  # noqa: F401 - re-exported
 from rpc.errors import LayoutMismatch
 from rpc.protos import worker_pb2
 

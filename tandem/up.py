@@ -62,6 +62,8 @@ def start_cluster(args: argparse.Namespace, cluster: LocalCluster):
 
 
 def run(args: argparse.Namespace) -> int:
+    from gateway.service import default_model_name  # here: `tandem --help` stays light
+
     if args.decode < 1 or args.prefill < 0:
         raise ValueError("need at least one decode worker and no negative counts")
     stop = threading.Event()
@@ -71,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
               flush=True)
         gateway = start_cluster(args, cluster)
         url = f"http://{gateway.address}"
-        body = json.dumps({"model": _served_name(args.model), "max_tokens": 32, "messages": [
+        body = json.dumps({"model": default_model_name(args.model), "max_tokens": 32, "messages": [
             {"role": "user", "content": "What is the capital of France?"}]})
         auth = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
         print(f"\nTandem is serving at {url} (gRPC {gateway.extra.get('grpc')})\n\n"
@@ -88,12 +90,3 @@ def run(args: argparse.Namespace) -> int:
             pass
         print("stopping...", flush=True)
     return 0
-
-
-def _served_name(model: str | None) -> str:
-    from pathlib import Path
-
-    if model is None:
-        return "SmolLM2-135M-Instruct"
-    path = Path(model)
-    return path.stem if path.suffix == ".gguf" else path.name

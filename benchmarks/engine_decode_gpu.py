@@ -4,7 +4,8 @@ Llama-3-8B-shaped model (no download: weights are random, load_format=dummy).
     python benchmarks/engine_decode_gpu.py [--batches 1 16 64 256] [--out engine_decode.json]
 
 For each batch size: B prompts of --prompt-len random tokens, --output-len
-tokens each (ignore_eos). Reports decode tokens/s over the steps after every
+tokens each (ignore_eos), with decode steps replayed from CUDA graphs
+(or eagerly with --enforce-eager). Reports decode tokens/s over the steps after every
 request has its first token (prefill excluded), and the mean step time.
 Needs CUDA; also imported by kernels_gpu.py.
 """
@@ -12,6 +13,7 @@ Needs CUDA; also imported by kernels_gpu.py.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import sys
@@ -29,7 +31,7 @@ LLAMA3_8B = {
 
 
 def bench_engine_decode(batches: list[int], prompt_len: int = 128, output_len: int = 128,
-                        device: str = "cuda") -> list[dict]:
+                        device: str = "cuda", enforce_eager: bool = False) -> list[dict]:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import torch
 
@@ -39,7 +41,8 @@ def bench_engine_decode(batches: list[int], prompt_len: int = 128, output_len: i
     (model_dir / "config.json").write_text(json.dumps(LLAMA3_8B))
     llm = LLM(str(model_dir), load_format="dummy", device=device, dtype="bfloat16",
               max_num_seqs=max(batches), max_num_batched_tokens=8192,
-              max_model_len=prompt_len + output_len + 16, gpu_memory_utilization=0.85)
+              max_model_len=prompt_len + output_len + 16, gpu_memory_utilization=0.85,
+              enforce_eager=enforce_eager)
     engine = llm.engine
     rng = random.Random(0)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
@@ -61,11 +64,18 @@ def bench_engine_decode(batches: list[int], prompt_len: int = 128, output_len: i
             steps += 1
             decode_tokens += sum(len(o.outputs[0].delta_token_ids) for o in outs)
         elapsed = time.perf_counter() - decode_start if decode_start else float("nan")
-        rows.append({"batch": batch, "decode_tokens": decode_tokens, "steps": steps,
+        rows.append({"batch": batch, "cuda_graphs": not enforce_eager,
+                     "decode_tokens": decode_tokens, "steps": steps,
                      "seconds": elapsed, "tokens_per_s": decode_tokens / elapsed,
                      "ms_per_step": 1000 * elapsed / max(steps, 1)})
-        print(f"engine decode batch {batch}: {rows[-1]['tokens_per_s']:.0f} tok/s, "
+        mode = "eager" if enforce_eager else "graphs"
+        print(f"engine decode ({mode}) batch {batch}: {rows[-1]['tokens_per_s']:.0f} tok/s, "
               f"{rows[-1]['ms_per_step']:.2f} ms/step", flush=True)
+    # Hand the KV cache's memory back, so that a second run in this process
+    # (kernels_gpu.py runs graphs, then eager) can size its own.
+    del llm, engine
+    gc.collect()
+    torch.cuda.empty_cache()
     return rows
 
 
@@ -75,12 +85,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--out", default="engine_decode.json")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     args = p.parse_args(argv)
     import torch
 
     if not torch.cuda.is_available():
         raise SystemExit("engine_decode_gpu.py needs a CUDA GPU; nothing was run.")
-    rows = bench_engine_decode(args.batches, args.prompt_len, args.output_len)
+    rows = bench_engine_decode(args.batches, args.prompt_len, args.output_len,
+                               enforce_eager=args.enforce_eager)
     Path(args.out).write_text(json.dumps(rows, indent=2))
 
 

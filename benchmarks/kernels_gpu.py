@@ -302,11 +302,15 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.skip_engine:
         from engine_decode_gpu import bench_engine_decode
 
-        result["engine_decode"] = bench_engine_decode([1, 16, 64, 256])
+        result["engine_decode"] = []
+        for eager in (False, True):  # CUDA graphs, then eager: what graphs buy
+            result["engine_decode"] += bench_engine_decode([1, 16, 64, 256], enforce_eager=eager)
+            torch.cuda.empty_cache()
     Path(args.out).write_text(json.dumps(result, indent=2))
     print_tables(result)
     for r in result.get("engine_decode", []):
-        print(f"engine decode batch {r['batch']:>4}: {r['tokens_per_s']:>9.0f} tok/s"
+        mode = "graphs" if r["cuda_graphs"] else "eager "
+        print(f"engine decode {mode} batch {r['batch']:>4}: {r['tokens_per_s']:>9.0f} tok/s"
               f"  {r['ms_per_step']:.2f} ms/step")
     print(f"\nwrote {args.out}")
     return result

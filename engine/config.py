@@ -174,6 +174,9 @@ class EngineConfig:
     # "auto": weights from the checkpoint; "dummy": random weights from config.json
     # alone (benchmarks of model shapes that are not on disk).
     load_format: str = "auto"
+    # False: on CUDA with a graph-safe attention backend, decode steps replay
+    # CUDA graphs (engine/cuda_graphs.py). True: every step runs eagerly.
+    enforce_eager: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

@@ -12,6 +12,7 @@ import torch
 
 from engine.attention import AttentionMetadata, get_attention_backend
 from engine.config import EngineConfig, ModelConfig
+from engine.cuda_graphs import DecodeGraphs
 from engine.loader.weights import iterate_weights
 from engine.models import build_model
 from engine.request import Request
@@ -58,6 +59,18 @@ class ModelRunner:
             for _ in range(model_cfg.num_layers)
         ]
         self.generators: dict[str, torch.Generator] = {}
+        self.decode_graphs = self._decode_graphs(max_model_len)
+
+    def _decode_graphs(self, max_model_len: int) -> DecodeGraphs | None:
+        use = (self.device.type == "cuda" and self.backend.graph_safe
+               and not self.config.enforce_eager)
+        logger.info("decode steps: %s", "CUDA graphs" if use else "eager")
+        if not use:
+            return None
+        return DecodeGraphs(
+            self.model, self.kv_caches, max_batch=self.config.scheduler.max_num_seqs,
+            max_model_len=max_model_len, block_size=self.block_size, device=self.device,
+        )
 
     @torch.no_grad()
     def _init_dummy_weights(self) -> None:
@@ -98,7 +111,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         input_ids, positions, meta, logits_index, prompt_rows = self._prepare(out)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if self.decode_graphs is not None and self.decode_graphs.fits(meta):
+            hidden = self.decode_graphs.run(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
 
         result = RunnerOutput()
         sampling = [s.request for s in out.scheduled if s.sample]

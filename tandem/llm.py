@@ -30,6 +30,7 @@ def engine_config(
     num_blocks: int | None = None,
     attention_backend: str = "auto",
     load_format: str = "auto",
+    enforce_eager: bool = False,
     max_n: int = 16,
 ) -> EngineConfig:
     """Build an EngineConfig from vLLM-style keyword arguments."""
@@ -40,6 +41,7 @@ def engine_config(
         seed=seed,
         attention_backend=attention_backend,
         load_format=load_format,
+        enforce_eager=enforce_eager,
         cache=CacheConfig(
             block_size=block_size, kv_cache_bytes=kv_cache_bytes,
             gpu_memory_utilization=gpu_memory_utilization, num_blocks=num_blocks,

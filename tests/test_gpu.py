@@ -53,3 +53,25 @@ def test_engine_on_gpu_matches_cpu(tmp_path):
         outputs[device] = [o.outputs[0].token_ids
                            for o in llm.generate(prompts, params, use_tqdm=False)]
     assert outputs["cuda"] == outputs["cpu"]
+
+
+def test_decode_cuda_graphs_match_eager(tmp_path):
+    from tiny_models import build_tiny_model
+
+    from tandem import LLM, SamplingParams
+
+    model_dir, _ = build_tiny_model("llama-gqa", tmp_path)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (3, 17, 40, 9, 25)]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (4, 12, 7, 9, 3)]
+    outputs = {}
+    for eager in (True, False):
+        llm = LLM(str(model_dir), device="cuda", num_blocks=64, block_size=16,
+                  max_num_seqs=16, max_model_len=128, enforce_eager=eager)
+        graphs = llm.engine.runner.decode_graphs
+        assert (graphs is None) == eager
+        if graphs is not None:
+            assert sorted(graphs.graphs) == [1, 2, 4, 8, 16]
+        outputs[eager] = [o.outputs[0].token_ids
+                          for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert outputs[False] == outputs[True]

@@ -44,6 +44,11 @@ class AttentionBackend(ABC):
     """
 
     name: str
+    # True when ``forward`` launches from ``num_seqs``, ``num_decode_seqs``,
+    # ``max_query_len`` and ``max_seq_len`` alone: it never reads the *_cpu
+    # tensors, syncs the device or allocates by data, so a decode step can be
+    # recorded once in a CUDA graph and replayed with new inputs.
+    graph_safe: bool = False
 
     @abstractmethod
     def forward(

@@ -18,6 +18,7 @@ import json
 import math
 import os
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -203,6 +204,33 @@ def bench_prefill(
     return row
 
 
+def bench_layers(device: str) -> list[dict]:
+    """The fused RMSNorm (+ residual add) and rotary kernels against the torch
+    reference the CPU uses, at Llama-3-8B widths: do they pay for themselves?"""
+    from kernels import reference
+    from kernels.rms_norm import rms_norm
+    from kernels.rotary import apply_rotary
+
+    rows = []
+    hidden = NUM_HEADS * HEAD_DIM
+    for tokens in (1, 64, 256, 4096):
+        x = torch.randn(tokens, hidden, dtype=DTYPE, device=device)
+        residual, weight = torch.randn_like(x), torch.randn(hidden, dtype=DTYPE, device=device)
+        q = torch.randn(tokens, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
+        angles = torch.rand(tokens, HEAD_DIM // 2, device=device)
+        cos, sin = angles.cos(), angles.sin()
+        for op, fused, ref in (
+            ("rms_norm+add", partial(rms_norm, x, weight, 1e-5, residual),
+             partial(reference.rms_norm, x, weight, 1e-5, residual)),
+            ("rotary(q)", partial(apply_rotary, q, cos, sin),
+             partial(reference.apply_rotary, q, cos, sin)),
+        ):
+            fused_ms, ref_ms = time_ms(fused), time_ms(ref)
+            rows.append({"op": op, "tokens": tokens, "fused_ms": fused_ms,
+                         "torch_ms": ref_ms, "speedup": ref_ms / fused_ms})
+    return rows
+
+
 def _fmt(value, scale=1.0, digits=1, pct=False) -> str:
     if value is None:
         return "-"
@@ -236,6 +264,10 @@ def print_tables(result: dict) -> None:
               f" {_fmt(r.get('sdpa_ms'), digits=3):>8} {_fmt(r.get('sdpa_flops'), 1e12):>8}"
               f" {_fmt(r.get('sdpa_frac_peak'), pct=True):>5}"
               f" {_fmt(r.get('max_abs_diff_vs_sdpa'), digits=4):>9}")
+    print("\nfused layers vs the torch reference (us)")
+    for r in result.get("layers", []):
+        print(f"  {r['op']:<13} tokens {r['tokens']:>5}: fused {_fmt(r['fused_ms'], 1e-3)}"
+              f"  torch {_fmt(r['torch_ms'], 1e-3)}  x{r['speedup']:.2f}")
     batch, ctx, wanted = TARGET
     hit = next(r for r in result["decode"] if r["batch"] == batch and r["context"] == ctx)
     if hit["triton_frac_peak"] is not None:
@@ -298,6 +330,9 @@ def main(argv: list[str] | None = None) -> dict:
         result["prefill"].append(bench_prefill(*case, peak_flops, device))
         print(f"prefill {case} done", flush=True)
         torch.cuda.empty_cache()
+
+    result["layers"] = bench_layers(device)
+    print("fused layers done", flush=True)
 
     if not args.skip_engine:
         from engine_decode_gpu import bench_engine_decode

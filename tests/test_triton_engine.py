@@ -34,6 +34,12 @@ def test_triton_backend_matches_torch_backend(tiny_dir):
         llm = LLM(tiny_dir, block_size=4, num_blocks=64, max_num_batched_tokens=16,
                   attention_backend=backend)
         assert llm.engine.runner.backend.name == backend
+        model = llm.engine.runner.model
+        fused = backend == "triton"  # the Triton backend brings the fused layers
+        assert model.norm._rms_norm.__module__ == (
+            "kernels.rms_norm" if fused else "kernels.reference")
+        assert model.layers[0].self_attn.rotary._apply.__module__ == (
+            "kernels.rotary" if fused else "kernels.reference")
         # Two rounds: the second hits the prefix cache.
         first = llm.generate(prompts, params, use_tqdm=False)
         second = llm.generate(prompts, params, use_tqdm=False)

@@ -49,6 +49,9 @@ class AttentionBackend(ABC):
     # tensors, syncs the device or allocates by data, so a decode step can be
     # recorded once in a CUDA graph and replayed with new inputs.
     graph_safe: bool = False
+    # True when Triton runs where this backend does: the model's RMSNorm and
+    # rotary layers then use the fused kernels in kernels/ as well.
+    fused_layers: bool = False
 
     @abstractmethod
     def forward(

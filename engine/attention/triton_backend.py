@@ -19,6 +19,7 @@ from kernels.store_kv import store_kv
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     graph_safe = True
+    fused_layers = True
 
     def forward(self, query, key, value, k_cache, v_cache, meta: AttentionMetadata, scale):
         store_kv(key, value, k_cache, v_cache, meta.slot_mapping)

@@ -44,9 +44,16 @@ def _llama3(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
 
 class RotaryEmbedding(nn.Module):
     def __init__(
-        self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None
+        self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None,
+        fused: bool = False,
     ) -> None:
         super().__init__()
+        if fused:
+            from kernels.rotary import apply_rotary  # imports triton: only where it runs
+
+            self._apply = apply_rotary
+        else:
+            self._apply = reference.apply_rotary
         inv_freq = inverse_frequencies(head_dim, theta, scaling)
         freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
         # [max_position, head_dim // 2]. Plain attributes, not buffers, so that
@@ -58,4 +65,4 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.cos[positions], self.sin[positions]
-        return reference.apply_rotary(q, cos, sin), reference.apply_rotary(k, cos, sin)
+        return self._apply(q, cos, sin), self._apply(k, cos, sin)

@@ -58,9 +58,10 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, rotary: RotaryEmbedding):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        fused = backend.fused_layers
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused)
         self.self_attn = Attention(cfg, backend, rotary)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused)
         self.mlp = MLP(cfg)
 
     def forward(self, x, residual, positions, kv_cache, meta):
@@ -75,10 +76,11 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_position: int):
         super().__init__()
         self.config = cfg
-        rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
+        rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling,
+                                 fused=backend.fused_layers)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend, rotary) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend.fused_layers)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
             cfg.hidden_size, cfg.vocab_size, bias=False
         )

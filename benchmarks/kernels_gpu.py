@@ -231,6 +231,30 @@ def bench_layers(device: str) -> list[dict]:
     return rows
 
 
+def bench_quant_matmul(device: str) -> list[dict]:
+    """4-bit GPTQ/AWQ matmul (groups of 128) against a dense bfloat16 matmul,
+    at Llama-3-8B's gate/up projection (4096 -> 2 x 14336)."""
+    from kernels.quant_matmul import quant_matmul
+
+    k, n, group = 4096, 2 * 14336, 128
+    qweight = torch.randint(-(1 << 31), (1 << 31) - 1, (k // 8, n), dtype=torch.int32,
+                            device=device)
+    scales = torch.rand(k // group, n, dtype=DTYPE, device=device) * 0.01
+    zeros = torch.full((k // group, n), 8.0, dtype=DTYPE, device=device)
+    g_idx = torch.arange(k, dtype=torch.int32, device=device) // group
+    dense = torch.randn(k, n, dtype=DTYPE, device=device)
+    rows = []
+    for m in (1, 16, 64, 256):
+        x = torch.randn(m, k, dtype=DTYPE, device=device)
+        quant_ms = time_ms(partial(quant_matmul, x, qweight, scales, zeros, g_idx, 4))
+        dense_ms = time_ms(partial(torch.matmul, x, dense))
+        weight_bytes = qweight.numel() * 4 + 2 * scales.numel() * 2
+        rows.append({"tokens": m, "quant_ms": quant_ms, "dense_ms": dense_ms,
+                     "quant_weight_gbps": weight_bytes / quant_ms / 1e6,
+                     "speedup_vs_dense": dense_ms / quant_ms})
+    return rows
+
+
 def _fmt(value, scale=1.0, digits=1, pct=False) -> str:
     if value is None:
         return "-"
@@ -268,6 +292,11 @@ def print_tables(result: dict) -> None:
     for r in result.get("layers", []):
         print(f"  {r['op']:<13} tokens {r['tokens']:>5}: fused {_fmt(r['fused_ms'], 1e-3)}"
               f"  torch {_fmt(r['torch_ms'], 1e-3)}  x{r['speedup']:.2f}")
+    print("\n4-bit matmul 4096 -> 28672 vs dense bfloat16 (us)")
+    for r in result.get("quant_matmul", []):
+        print(f"  tokens {r['tokens']:>4}: int4 {_fmt(r['quant_ms'], 1e-3)}"
+              f" ({r['quant_weight_gbps']:.0f} GB/s of weights)"
+              f"  bf16 {_fmt(r['dense_ms'], 1e-3)}  x{r['speedup_vs_dense']:.2f}")
     batch, ctx, wanted = TARGET
     hit = next(r for r in result["decode"] if r["batch"] == batch and r["context"] == ctx)
     if hit["triton_frac_peak"] is not None:
@@ -333,6 +362,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     result["layers"] = bench_layers(device)
     print("fused layers done", flush=True)
+    result["quant_matmul"] = bench_quant_matmul(device)
+    print("quantized matmul done", flush=True)
+    torch.cuda.empty_cache()
 
     if not args.skip_engine:
         from engine_decode_gpu import bench_engine_decode

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.quantization import QuantConfig
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
 _DTYPES = ("float32", "float16", "bfloat16")
@@ -36,6 +38,8 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # GPTQ/AWQ weight-only quantization of the decoder's linear layers.
+    quantization: QuantConfig | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -92,6 +96,8 @@ class ModelConfig:
             sliding_window=sliding,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            quantization=QuantConfig.from_dict(quant) if (quant := cfg.get("quantization_config"))
+            else None,
         )
 
     @classmethod

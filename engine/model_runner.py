@@ -76,6 +76,10 @@ class ModelRunner:
     def _init_dummy_weights(self) -> None:
         gen = torch.Generator(device=self.device).manual_seed(self.config.seed)
         for name, param in self.model.named_parameters():
+            if not param.is_floating_point():  # quantized layers
+                if name.endswith("qweight"):
+                    param.random_(generator=gen)  # random integers; g_idx keeps its order
+                continue
             if "norm" in name:
                 param.fill_(1.0)
             else:

@@ -1,6 +1,6 @@
-"""Torch reference for every attention kernel: the one definition of the maths.
+"""Torch reference for every kernel: the one definition of the maths.
 
-The engine's CPU attention backend calls these functions directly; the Triton
+The engine's CPU backend calls these functions directly; the Triton
 kernels are tested against them.
 
 Cache layout (per layer, one tensor for keys and one for values)::
@@ -152,3 +152,36 @@ def apply_rotary(
     x1, x2 = x[..., :half].float(), x[..., half:].float()
     c, s = cos[:, None, :], sin[:, None, :]
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+
+def unpack_int_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """``[R, C]`` int32 words -> ``[R * 32 / bits, C]`` integers in [0, 2**bits):
+    row ``r * 32 / bits + i`` is bits ``[i * bits, (i + 1) * bits)`` of word row ``r``."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)
+    vals = (packed[:, None, :] >> shifts[None, :, None]) & ((1 << bits) - 1)
+    return vals.reshape(-1, packed.shape[1])
+
+
+def dequantize(
+    qweight: torch.Tensor,  # [in / (32 / bits), out] int32, packed along the input
+    scales: torch.Tensor,  # [groups, out]
+    zeros: torch.Tensor,  # [groups, out], zero points (integers held in a float dtype)
+    g_idx: torch.Tensor,  # [in] int, the group of each input row
+    bits: int,
+) -> torch.Tensor:  # [in, out] in scales.dtype
+    """``W[k, n] = (q[k, n] - zeros[g_idx[k], n]) * scales[g_idx[k], n]``, in float32."""
+    q = unpack_int_rows(qweight, bits).float()
+    g = g_idx.long()
+    return ((q - zeros.float()[g]) * scales.float()[g]).to(scales.dtype)
+
+
+def quant_matmul(
+    x: torch.Tensor,  # [num_tokens, in]
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    g_idx: torch.Tensor,
+    bits: int,
+) -> torch.Tensor:  # [num_tokens, out] in x.dtype
+    """``x @ W`` with the weight of ``dequantize``, rounded to ``x.dtype``."""
+    return x @ dequantize(qweight, scales, zeros, g_idx, bits).to(x.dtype)

@@ -14,6 +14,7 @@ from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig
+from engine.layers.linear import linear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 
@@ -26,8 +27,10 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        quant, fused = cfg.quantization, backend.fused_layers
+        self.qkv_proj = linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias,
+                               quant, fused)
+        self.o_proj = linear(self.q_size, cfg.hidden_size, False, quant, fused)
         self.rotary = rotary
         self.backend = backend
         self.scale = self.head_dim**-0.5
@@ -45,10 +48,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, fused: bool):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        quant = cfg.quantization
+        self.gate_up_proj = linear(cfg.hidden_size, 2 * cfg.intermediate_size, False, quant, fused)
+        self.down_proj = linear(cfg.intermediate_size, cfg.hidden_size, False, quant, fused)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -62,7 +66,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused)
         self.self_attn = Attention(cfg, backend, rotary)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, fused)
 
     def forward(self, x, residual, positions, kv_cache, meta):
         # h = x + attn(norm(x)); out = h + mlp(norm(h)), with the adds fused into the norms.
@@ -105,8 +109,10 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face checkpoint names, merging q/k/v and gate/up into
-        the fused projections. Every parameter must be loaded exactly once."""
+        the fused projections (quantized layers convert each tensor first).
+        Every required parameter must be loaded exactly once per shard."""
         params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
         fused = {  # HF name part -> (our name part, index of the shard)
             "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
             "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
@@ -122,24 +128,43 @@ class LlamaForCausalLM(nn.Module):
                 if part in fused:
                     our, shard = fused[part]
                     target = ".".join(parts[:i] + [our] + parts[i + 1 :])
+            owner, _, leaf = target.rpartition(".")
+            if hasattr(modules.get(owner), "checkpoint_tensor"):
+                leaf, tensor = modules[owner].checkpoint_tensor(leaf, tensor)
+                target = f"{owner}.{leaf}"
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} matches no parameter of the model")
-            param = params[target]
-            offset, size = self._shard_range(target, shard, param.shape[0])
-            if tensor.shape[0] != size or tensor.shape[1:] != param.shape[1:]:
-                raise ValueError(
-                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                    f"expected {(size, *param.shape[1:])}"
-                )
-            with torch.no_grad():
-                param[offset : offset + size].copy_(tensor)
+            shared_seen = any(key.startswith(target + ":") for key in loaded)
+            self._load_shard(params[target], name, target, shard, tensor, shared_seen)
             loaded.add(f"{target}:{shard}")
-        expected = sum(3 if "qkv_proj" in n else 2 if "gate_up" in n else 1 for n in params)
-        if len(loaded) != expected:
+        required = [n for n, p in params.items() if not getattr(p, "optional", False)]
+        expected = sum(3 if "qkv_proj" in n else 2 if "gate_up" in n else 1 for n in required)
+        if len({key for key in loaded if key.rpartition(":")[0] in required}) != expected:
             missing = sorted(
-                n for n in params if not any(key.startswith(n + ":") for key in loaded)
+                n for n in required if not any(key.startswith(n + ":") for key in loaded)
             )
             raise ValueError(f"checkpoint is missing weights, e.g. {missing[:3]}")
+
+    @torch.no_grad()
+    def _load_shard(self, param: nn.Parameter, name: str, target: str, shard: int | None,
+                    tensor: torch.Tensor, seen: bool) -> None:
+        """Copy one checkpoint tensor into its parameter, or into the slice of
+        output features its shard of a fused projection owns. ``seen``: another
+        shard already filled this parameter."""
+        dim = getattr(param, "output_dim", 0)
+        dst = param
+        if shard is not None and dim is not None:
+            offset, size = self._shard_range(target, shard, param.shape[dim])
+            dst = param.narrow(dim, offset, size)
+        elif seen and dim is None and not torch.equal(param, tensor.to(param.dtype)):
+            # Per-input-row data (g_idx) is shared by the fused shards.
+            raise ValueError(f"checkpoint tensor {name!r} differs between the fused shards")
+        if tensor.shape != dst.shape:
+            raise ValueError(
+                f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                f"expected {tuple(dst.shape)}"
+            )
+        dst.copy_(tensor)
 
     def _shard_range(self, target: str, shard: int | None, rows: int) -> tuple[int, int]:
         if shard is None:

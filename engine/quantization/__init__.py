@@ -1,0 +1,5 @@
+"""Weight-only GPTQ and AWQ quantization: config, checkpoint formats."""
+
+from engine.quantization.config import QuantConfig
+
+__all__ = ["QuantConfig"]

@@ -1,0 +1,298 @@
+"""GPTQ and AWQ: the checkpoint formats bit by bit, the quantized matmul
+kernel against its reference, and whole quantized models giving the tokens of
+the same model with the dequantized weights in float."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import zlib
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tiny_models import build_tiny_model
+
+from engine.quantization import QuantConfig
+from engine.quantization.formats import (
+    AWQ_ORDER,
+    checkpoint_tensors,
+    pack_cols,
+    pack_rows,
+    quantize_rtn,
+    to_tandem,
+    unpack_cols,
+)
+from kernels import reference
+from kernels.quant_matmul import quant_matmul
+from tandem import LLM, SamplingParams
+
+GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False}
+AWQ = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"}
+
+
+def _nibble(word: torch.Tensor, i: int, bits: int = 4) -> int:
+    return (int(word) >> (i * bits)) & ((1 << bits) - 1)
+
+
+# ---- formats ------------------------------------------------------------------
+
+
+def test_pack_and_unpack_are_inverse():
+    torch.manual_seed(0)
+    for bits in (4, 8):
+        values = torch.randint(0, 1 << bits, (32, 16), dtype=torch.int32)
+        assert torch.equal(reference.unpack_int_rows(pack_rows(values, bits), bits), values)
+        assert torch.equal(unpack_cols(pack_cols(values, bits), bits), values)
+    # The top nibble set: the word is negative as an int32 and still unpacks.
+    word = pack_rows(torch.full((8, 1), 15, dtype=torch.int32), 4)
+    assert word.item() == -1
+    with pytest.raises(ValueError, match="do not pack"):
+        pack_rows(torch.zeros(7, 2, dtype=torch.int32), 4)
+
+
+def test_gptq_layout_bit_by_bit():
+    """Word r of qweight holds input rows 8r..8r+7 from the low bits; the zero
+    points are stored minus one, packed along the output columns."""
+    quant = QuantConfig.from_dict(GPTQ)
+    torch.manual_seed(1)
+    weight = torch.randn(16, 64)  # nn.Linear layout: [out, in]
+    ck = checkpoint_tensors(quant, weight)
+    q, _, zeros, _ = quantize_rtn(weight, 4, 32)
+    assert ck["qweight"].shape == (8, 16) and ck["qzeros"].shape == (2, 2)
+    for i in range(8):
+        assert _nibble(ck["qweight"][1, 5], i) == q[8 + i, 5]
+        assert _nibble(ck["qzeros"][1, 0], i) == (zeros[1, i] - 1) % 16
+    assert ck["g_idx"].tolist() == [k // 32 for k in range(64)]
+
+
+def test_awq_layout_bit_by_bit():
+    """qweight is [in, out / 8]; nibble i of a word holds column AWQ_ORDER[i]
+    of its eight; zero points the same way, not offset."""
+    quant = QuantConfig.from_dict(AWQ)
+    torch.manual_seed(2)
+    weight = torch.randn(16, 64)
+    q, _, zeros, _ = quantize_rtn(weight, 4, 32)
+    ck = checkpoint_tensors(quant, weight)
+    assert ck["qweight"].shape == (64, 2) and ck["qzeros"].shape == (2, 2)
+    assert "g_idx" not in ck
+    for i in range(8):
+        assert _nibble(ck["qweight"][3, 1], i) == q[3, 8 + AWQ_ORDER[i]]
+        assert _nibble(ck["qzeros"][1, 0], i) == zeros[1, AWQ_ORDER[i]]
+
+
+@pytest.mark.parametrize("cfg", [GPTQ, {**GPTQ, "bits": 8}, {**GPTQ, "group_size": -1}, AWQ,
+                                 {**GPTQ, "checkpoint_format": "gptq_v2"}])
+def test_checkpoint_converts_to_the_rounded_weight(cfg):
+    quant = QuantConfig.from_dict(cfg)
+    torch.manual_seed(3)
+    weight = torch.randn(24, 64)
+    tensors = dict(to_tandem(quant, name, t) for name, t in checkpoint_tensors(quant, weight).items())
+    g_idx = tensors.get("g_idx", torch.arange(64, dtype=torch.int32) // quant.group_of(64))
+    w = reference.dequantize(tensors["qweight"], tensors["scales"].float(),
+                             tensors["zeros"].float(), g_idx, quant.bits)
+    scales = tensors["scales"].float()[g_idx.long()]
+    # Round to nearest: within half a step of the float weight (plus fp16 scales).
+    assert ((w - weight.T).abs() <= scales * 0.5 + 1e-3).all()
+
+
+def test_quant_config_reads_and_refuses():
+    assert QuantConfig.from_dict(GPTQ).zero_offset == 1
+    assert QuantConfig.from_dict({**GPTQ, "checkpoint_format": "gptq_v2"}).zero_offset == 0
+    assert QuantConfig.from_dict(AWQ) == QuantConfig("awq", 4, 32)
+    for cfg, message in [
+        ({**GPTQ, "bits": 3}, "3-bit"),
+        ({**AWQ, "bits": 8}, "8-bit"),
+        ({**AWQ, "version": "gemv"}, "gemv"),
+        ({**AWQ, "zero_point": False}, "zero points"),
+        ({**GPTQ, "lm_head": True}, "lm_head"),
+        ({**GPTQ, "checkpoint_format": "marlin"}, "marlin"),
+        ({"quant_method": "bitsandbytes"}, "bitsandbytes"),
+        ({**GPTQ, "group_size": 0}, "group_size"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            QuantConfig.from_dict(cfg)
+
+
+# ---- the kernel ---------------------------------------------------------------
+
+
+def _random_layer(k: int, n: int, bits: int, group: int, dtype, act_order: bool, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    values = torch.randint(0, 1 << bits, (k, n), generator=gen, dtype=torch.int32)
+    groups = k // group
+    scales = (torch.rand(groups, n, generator=gen) * 0.02 + 0.001).to(dtype)
+    zeros = torch.randint(0, 1 << bits, (groups, n), generator=gen).to(dtype)
+    g_idx = torch.arange(k, dtype=torch.int32) // group
+    if act_order:
+        g_idx = g_idx[torch.randperm(k, generator=gen)]
+    return pack_rows(values, bits), scales, zeros, g_idx
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.float16, 2e-2),
+                                       (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("m", [1, 5, 33])
+def test_kernel_matches_reference(dtype, tol, bits, m):
+    k, n, group = 128, 80, 32  # 80: the last column tile is partial
+    qweight, scales, zeros, g_idx = _random_layer(k, n, bits, group, dtype, act_order=False)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+    out = quant_matmul(x, qweight, scales, zeros, g_idx, bits, block_n=32, block_k=32)
+    ref = reference.quant_matmul(x.float(), qweight, scales.float(), zeros.float(), g_idx, bits)
+    assert out.dtype == dtype and out.shape == (m, n)
+    torch.testing.assert_close(out.float(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
+
+
+def test_kernel_act_order_and_non_contiguous_input():
+    k, n = 64, 32
+    qweight, scales, zeros, g_idx = _random_layer(k, n, 4, 16, torch.float32, act_order=True)
+    wide = torch.randn(6, 2 * k)
+    x = wide[:, :k]  # rows strided, last dim contiguous
+    out = quant_matmul(x, qweight, scales, zeros, g_idx, 4, block_n=16, block_k=16)
+    ref = reference.quant_matmul(x, qweight, scales, zeros, g_idx, 4)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_kernel_launcher_errors():
+    qweight, scales, zeros, g_idx = _random_layer(64, 32, 4, 32, torch.float32, False)
+    x = torch.randn(2, 64)
+    for kwargs, message in [
+        (dict(bits=3), "bits"),
+        (dict(x=torch.randn(2, 48)), "input features"),
+        (dict(qweight=qweight.float()), "qweight has dtype"),
+        (dict(zeros=zeros[:, :16]), "must both be"),
+        (dict(g_idx=g_idx[:10]), "g_idx"),
+        (dict(block_k=24), "block_k"),
+    ]:
+        args = dict(x=x, qweight=qweight, scales=scales, zeros=zeros, g_idx=g_idx, bits=4)
+        args.update(kwargs)
+        block_k = args.pop("block_k", 64)
+        with pytest.raises(ValueError, match=message):
+            quant_matmul(**args, block_k=block_k)
+
+
+# ---- whole models -------------------------------------------------------------
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def quantize_checkpoint(src, dst, cfg: dict, act_order: bool = False):
+    """Write ``src`` quantized as ``cfg`` says into ``dst``, and the same model
+    with the dequantized weights in float into ``dst``-float; return both."""
+    quant = QuantConfig.from_dict(cfg)
+    weights = load_file(src / "model.safetensors")
+    quantized, rounded = {}, {}
+    for name, tensor in weights.items():
+        layer = name.split(".")[-2] if name.endswith(".weight") else ""
+        if layer not in LINEARS:
+            quantized[name] = rounded[name] = tensor
+            continue
+        in_features = tensor.shape[1]
+        g_idx = None
+        if act_order:  # one random order per input, shared by q/k/v and gate/up (as in GPTQ)
+            shared = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up",
+                      "up_proj": "gate_up"}.get(layer, layer)
+            seed = zlib.crc32(f"{name.split('.')[2]}.{shared}".encode())
+            perm = torch.randperm(in_features, generator=torch.Generator().manual_seed(seed))
+            g_idx = torch.empty(in_features, dtype=torch.int32)
+            g_idx[perm] = torch.arange(in_features, dtype=torch.int32) // quant.group_of(in_features)
+        ck = checkpoint_tensors(quant, tensor, g_idx)
+        prefix = name.removesuffix(".weight")
+        quantized.update({f"{prefix}.{k}": v for k, v in ck.items()})
+        # The float twin straight from the rounding, not through Tandem's loader.
+        q, scales, zeros, g = quantize_rtn(tensor, quant.bits, quant.group_size, g_idx)
+        g = g.long()
+        w = (q - zeros[g]).float() * scales.half().float()[g]
+        rounded[name] = w.T.contiguous()
+    float_dir = dst.parent / (dst.name + "-float")
+    for path, tensors, extra in ((dst, quantized, {"quantization_config": cfg}),
+                                 (float_dir, rounded, {})):
+        path.mkdir(parents=True)
+        config = json.loads((src / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**config, **extra}))
+        save_file(tensors, str(path / "model.safetensors"))
+    return dst, float_dir
+
+
+@pytest.fixture(scope="module")
+def tiny_src(tmp_path_factory):
+    path, _ = build_tiny_model("llama-gqa", tmp_path_factory.mktemp("quant"))
+    return path
+
+
+def _greedy(model_dir, backend="torch", **kwargs):
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (4, 11, 19)]
+    llm = LLM(str(model_dir), block_size=4, num_blocks=64, attention_backend=backend, **kwargs)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    out = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert llm.engine.kv.num_free_blocks == llm.engine.runner.num_blocks
+    return out, llm
+
+
+@pytest.mark.parametrize("name,cfg,act_order", [
+    ("gptq", GPTQ, False),
+    ("gptq-act-order", {**GPTQ, "desc_act": True}, True),
+    ("gptq-8bit", {**GPTQ, "bits": 8}, False),
+    ("awq", AWQ, False),
+])
+def test_quantized_model_matches_its_dequantized_float_twin(tiny_src, tmp_path, name, cfg,
+                                                            act_order):
+    qdir, fdir = quantize_checkpoint(tiny_src, tmp_path / name, cfg, act_order)
+    expected, _ = _greedy(fdir)
+    got, llm = _greedy(qdir)
+    assert got == expected
+    attn = llm.engine.runner.model.layers[0].self_attn.qkv_proj
+    assert type(attn).__name__ == "QuantLinear" and attn.qweight.dtype == torch.int32
+    assert not any(p.is_floating_point() and p.dim() == 2 and "proj" in n and "scales" not in n
+                   and "zeros" not in n for n, p in llm.engine.runner.model.named_parameters())
+
+
+def test_quantized_model_on_the_triton_backend(tiny_src, tmp_path):
+    """The fused kernel (under the interpreter) gives the reference's tokens."""
+    qdir, _ = quantize_checkpoint(tiny_src, tmp_path / "awq", AWQ)
+    expected, _ = _greedy(qdir, "torch")
+    got, llm = _greedy(qdir, "triton")
+    assert got == expected
+    assert llm.engine.runner.model.layers[0].mlp.down_proj._matmul.__module__ == \
+        "kernels.quant_matmul"
+
+
+def test_bad_quantized_checkpoints_are_refused(tiny_src, tmp_path):
+    # Groups of 48 do not divide the 64 hidden features.
+    bad = tmp_path / "bad-group"
+    shutil.copytree(tiny_src, bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "quantization_config":
+                                                 {**GPTQ, "group_size": 48}}))
+    with pytest.raises(ValueError, match="multiple of the group size"):
+        LLM(str(bad), num_blocks=16)
+    # A float checkpoint under a quantization_config lacks every quantized tensor.
+    with pytest.raises(ValueError, match="'weight' is not a tensor of a gptq linear layer"):
+        LLM(str(_with_config(tiny_src, tmp_path)), num_blocks=16)
+    # g_idx that differs between q, k and v cannot share one fused layer.
+    qdir, _ = quantize_checkpoint(tiny_src, tmp_path / "act", {**GPTQ, "desc_act": True}, True)
+    weights = load_file(qdir / "model.safetensors")
+    key = "model.layers.0.self_attn.k_proj.g_idx"
+    weights[key] = weights[key].flip(0).contiguous()
+    save_file(weights, str(qdir / "model.safetensors"))
+    with pytest.raises(ValueError, match="differs between the fused shards"):
+        LLM(str(qdir), num_blocks=16)
+
+
+def _with_config(src, tmp_path):
+    path = tmp_path / "float-under-gptq"
+    shutil.copytree(src, path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "quantization_config": GPTQ}))
+    return path
+
+
+def test_dummy_weights_for_a_quantized_shape(tiny_src, tmp_path):
+    path = tmp_path / "dummy"
+    path.mkdir()
+    config = json.loads((tiny_src / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "quantization_config": AWQ}))
+    out, _ = _greedy(path, load_format="dummy")
+    assert all(len(tokens) == 6 for tokens in out)

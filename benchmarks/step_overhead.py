@@ -1,7 +1,7 @@
 """Host overhead of one engine step against the model's forward time.
 
 With 256 requests all decoding, times separately, per step:
-``scheduler.schedule()``, ``ModelRunner._prepare`` (flattening the batch
+``scheduler.schedule()``, ``engine.batch.flatten`` (flattening the batch
 into tensors), the model's forward and sampling, and ``scheduler.update`` +
 output processing. The model is SmolLM2-135M's architecture with random
 weights (nothing is downloaded), or a tiny one with ``--size tiny``.
@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from engine.batch import flatten
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from tandem.llm import engine_config
@@ -56,8 +57,7 @@ def measure(engine: LLMEngine, steps: int, device: str) -> dict[str, list[float]
         t0 = time.perf_counter()
         out = sched.schedule()
         t1 = time.perf_counter()
-        with torch.inference_mode():
-            runner._prepare(out)  # timed alone; execute() prepares again
+        flatten(out, runner.block_size)[0].to_device(runner.device)  # timed alone; execute() again
         sync()
         t2 = time.perf_counter()
         result = runner.execute(out)
@@ -111,7 +111,7 @@ def main() -> None:
     print(f"{'part':<34}{'ms/step':>10}")
     rows = [
         ("scheduler.schedule()", med["schedule"]),
-        ("ModelRunner._prepare()", med["prepare"]),
+        ("flatten() + to_device()", med["prepare"]),
         ("scheduler.update() + outputs", med["update"]),
         ("host overhead (sum of the above)", host),
         ("forward + sampling", forward),

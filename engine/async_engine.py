@@ -137,6 +137,7 @@ class AsyncEngine:
             except asyncio.CancelledError:
                 pass
         self._thread.shutdown(wait=True)
+        self.engine.shutdown()
 
     @property
     def num_requests(self) -> int:

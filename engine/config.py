@@ -183,12 +183,19 @@ class EngineConfig:
     # False: on CUDA with a graph-safe attention backend, decode steps replay
     # CUDA graphs (engine/cuda_graphs.py). True: every step runs eagerly.
     enforce_eager: bool = False
+    # Ranks the model is split across (attention heads, MLP columns); rank 0
+    # runs in this process, the others in spawned ones (one GPU each on CUDA).
+    tensor_parallel_size: int = 1
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"
+            )
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):

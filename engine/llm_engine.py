@@ -149,6 +149,10 @@ class LLMEngine:
                 self.runner.remove_request(seq.request_id)
         return outputs
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel follower processes, if any. Idempotent."""
+        self.runner.shutdown()
+
     # ---- config ------------------------------------------------------------------
 
     def _eos_token_ids(self) -> tuple[int, ...]:

@@ -58,6 +58,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model across this many processes (GPUs on CUDA)")
     p.set_defaults(run=_generate)
 
 
@@ -71,14 +73,18 @@ def _generate(args: argparse.Namespace) -> int:
     device = args.device or _default_device()
     from tandem.llm import LLM
 
-    llm = LLM(args.model, device=device, dtype="float32" if device == "cpu" else "bfloat16")
+    llm = LLM(args.model, device=device, dtype="float32" if device == "cpu" else "bfloat16",
+              tensor_parallel_size=args.tensor_parallel_size)
     engine = llm.engine
-    engine.add_request("cli", args.prompt, params)
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            sys.stdout.write(out.outputs[0].delta_text)
-            sys.stdout.flush()
-    sys.stdout.write("\n")
+    try:
+        engine.add_request("cli", args.prompt, params)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                sys.stdout.write(out.outputs[0].delta_text)
+                sys.stdout.flush()
+        sys.stdout.write("\n")
+    finally:
+        engine.shutdown()
     return 0
 
 

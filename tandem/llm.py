@@ -31,6 +31,7 @@ def engine_config(
     attention_backend: str = "auto",
     load_format: str = "auto",
     enforce_eager: bool = False,
+    tensor_parallel_size: int = 1,
     max_n: int = 16,
 ) -> EngineConfig:
     """Build an EngineConfig from vLLM-style keyword arguments."""
@@ -42,6 +43,7 @@ def engine_config(
         attention_backend=attention_backend,
         load_format=load_format,
         enforce_eager=enforce_eager,
+        tensor_parallel_size=tensor_parallel_size,
         cache=CacheConfig(
             block_size=block_size, kv_cache_bytes=kv_cache_bytes,
             gpu_memory_utilization=gpu_memory_utilization, num_blocks=num_blocks,

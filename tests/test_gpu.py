@@ -75,3 +75,44 @@ def test_decode_cuda_graphs_match_eager(tmp_path):
         outputs[eager] = [o.outputs[0].token_ids
                           for o in llm.generate(prompts, params, use_tqdm=False)]
     assert outputs[False] == outputs[True]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_compiled_quant_matmul_matches_reference(dtype):
+    from kernels import reference
+    from kernels.quant_matmul import quant_matmul
+
+    torch.manual_seed(0)
+    k, n, group = 4096, 1024, 128
+    qweight = torch.randint(-(1 << 31), (1 << 31) - 1, (k // 8, n), dtype=torch.int32,
+                            device="cuda")
+    scales = (torch.rand(k // group, n, device="cuda") * 0.01).to(dtype)
+    zeros = torch.randint(0, 16, (k // group, n), device="cuda").to(dtype)
+    g_idx = (torch.arange(k, device="cuda", dtype=torch.int32) // group)[torch.randperm(k,
+                                                                                       device="cuda")]
+    for m in (1, 7, 64, 300):
+        x = torch.randn(m, k, device="cuda", dtype=dtype)
+        out = quant_matmul(x, qweight, scales, zeros, g_idx, 4)
+        ref = reference.quant_matmul(x.float(), qweight, scales.float(), zeros.float(), g_idx, 4)
+        torch.testing.assert_close(out.float(), ref, atol=3e-2 * ref.abs().max().item(),
+                                   rtol=3e-2)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_tensor_parallel_over_nccl_matches_one_gpu(tmp_path):
+    from tiny_models import build_tiny_model
+
+    from tandem import LLM, SamplingParams
+
+    model_dir, _ = build_tiny_model("llama-gqa", tmp_path)
+    prompts = [[5, 6, 7], list(range(3, 40))]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outputs = {}
+    for tp in (1, 2):
+        llm = LLM(str(model_dir), device="cuda", num_blocks=64, tensor_parallel_size=tp)
+        try:
+            outputs[tp] = [o.outputs[0].token_ids
+                           for o in llm.generate(prompts, params, use_tqdm=False)]
+        finally:
+            llm.engine.shutdown()
+    assert outputs[2] == outputs[1]

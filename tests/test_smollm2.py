@@ -107,3 +107,17 @@ def test_chat_applies_chatml_template(llm: LLM) -> None:
     assert "Paris" in completion.text
     assert completion.finish_reason == "stop"  # stopped at <|im_end|>, not at max_tokens
     assert_all_blocks_free(llm)
+
+
+def test_three_tensor_parallel_ranks_match_transformers(llm: LLM, hf_model) -> None:
+    """SmolLM2's 9 heads and 3 kv heads split over three gloo ranks."""
+    split = LLM(str(llm.engine.model_dir), dtype="float32", tensor_parallel_size=3)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        outputs = split.generate(PROMPTS[:2], params, use_tqdm=False)
+        for output in outputs:
+            assert output.outputs[0].token_ids == hf_greedy(
+                hf_model, output.prompt_token_ids, MAX_TOKENS)
+        assert_all_blocks_free(split)
+    finally:
+        split.engine.shutdown()

@@ -3,7 +3,9 @@
 Parameters say how a checkpoint shard fills them: ``output_dim`` is the
 dimension that runs over output features (0 for ``nn.Linear``'s weight and
 every bias, 1 for the quantized ``[in, out]`` tensors, None for ``g_idx``,
-which is per input row); ``optional`` ones may be absent from a checkpoint.
+which is per input row); ``optional`` ones may be absent from a checkpoint;
+``tp_dim`` is the dimension of the checkpoint tensor that tensor-parallel
+ranks split between them (absent: every rank holds all of it).
 """
 
 from __future__ import annotations
@@ -17,10 +19,22 @@ from kernels import reference
 
 
 def linear(
-    in_features: int, out_features: int, bias: bool, quant: QuantConfig | None, fused: bool
+    in_features: int, out_features: int, bias: bool, quant: QuantConfig | None, fused: bool,
+    parallel: str | None = None,
 ) -> nn.Module:
+    """A linear layer of this rank's shape. ``parallel``: "column" when ranks
+    split its outputs (each holds some rows of the weight), "row" when they
+    split its inputs (each holds some columns; the caller sums the partial
+    outputs across ranks), None when every rank holds all of it."""
     if quant is None:
-        return nn.Linear(in_features, out_features, bias=bias)
+        layer = nn.Linear(in_features, out_features, bias=bias)
+        if parallel is not None:
+            layer.weight.tp_dim = 0 if parallel == "column" else 1
+            if layer.bias is not None and parallel == "column":
+                layer.bias.tp_dim = 0
+        return layer
+    if parallel is not None:
+        raise ValueError("tensor parallelism is not supported with quantized checkpoints yet")
     return QuantLinear(in_features, out_features, bias, quant, fused)
 
 

@@ -17,20 +17,30 @@ from engine.config import ModelConfig
 from engine.layers.linear import linear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
+from engine.parallel import TensorParallel
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache) of one layer
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, rotary: RotaryEmbedding):
+    """Self-attention over this rank's heads: q/k/v are split by heads across
+    tensor-parallel ranks (column-parallel), o_proj by its inputs
+    (row-parallel), and the ranks' partial outputs are summed."""
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, rotary: RotaryEmbedding,
+                 tp: TensorParallel):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.num_heads = tp.split(cfg.num_heads, "num_attention_heads")
+        self.num_kv_heads = tp.split(cfg.num_kv_heads, "num_key_value_heads")
+        self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         quant, fused = cfg.quantization, backend.fused_layers
+        column, row = ("column", "row") if tp.size > 1 else (None, None)
         self.qkv_proj = linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias,
-                               quant, fused)
-        self.o_proj = linear(self.q_size, cfg.hidden_size, False, quant, fused)
+                               quant, fused, column)
+        self.o_proj = linear(self.q_size, cfg.hidden_size, False, quant, fused, row)
+        self.tp = tp
         self.rotary = rotary
         self.backend = backend
         self.scale = self.head_dim**-0.5
@@ -44,29 +54,35 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k)
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, fused: bool):
+    """SwiGLU over this rank's share of the intermediate columns."""
+
+    def __init__(self, cfg: ModelConfig, fused: bool, tp: TensorParallel):
         super().__init__()
         quant = cfg.quantization
-        self.gate_up_proj = linear(cfg.hidden_size, 2 * cfg.intermediate_size, False, quant, fused)
-        self.down_proj = linear(cfg.intermediate_size, cfg.hidden_size, False, quant, fused)
+        inner = tp.split(cfg.intermediate_size, "intermediate_size")
+        column, row = ("column", "row") if tp.size > 1 else (None, None)
+        self.gate_up_proj = linear(cfg.hidden_size, 2 * inner, False, quant, fused, column)
+        self.down_proj = linear(inner, cfg.hidden_size, False, quant, fused, row)
+        self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, rotary: RotaryEmbedding,
+                 tp: TensorParallel):
         super().__init__()
         fused = backend.fused_layers
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused)
-        self.self_attn = Attention(cfg, backend, rotary)
+        self.self_attn = Attention(cfg, backend, rotary, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused)
-        self.mlp = MLP(cfg, fused)
+        self.mlp = MLP(cfg, fused, tp)
 
     def forward(self, x, residual, positions, kv_cache, meta):
         # h = x + attn(norm(x)); out = h + mlp(norm(h)), with the adds fused into the norms.
@@ -77,13 +93,20 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_position: int):
+    """The decoder on one tensor-parallel rank. Embeddings, norms and the LM
+    head are whole on every rank (only rank 0 computes logits)."""
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_position: int,
+                 tp: TensorParallel):
         super().__init__()
         self.config = cfg
+        self.tp = tp
         rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling,
                                  fused=backend.fused_layers)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, rotary) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, backend, rotary, tp) for _ in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend.fused_layers)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
             cfg.hidden_size, cfg.vocab_size, bias=False
@@ -151,6 +174,9 @@ class LlamaForCausalLM(nn.Module):
         """Copy one checkpoint tensor into its parameter, or into the slice of
         output features its shard of a fused projection owns. ``seen``: another
         shard already filled this parameter."""
+        tp_dim = getattr(param, "tp_dim", None)
+        if tp_dim is not None and self.tp.size > 1:  # this rank's slice of the checkpoint
+            tensor = tensor.chunk(self.tp.size, dim=tp_dim)[self.tp.rank]
         dim = getattr(param, "output_dim", 0)
         dst = param
         if shard is not None and dim is not None:
@@ -169,9 +195,9 @@ class LlamaForCausalLM(nn.Module):
     def _shard_range(self, target: str, shard: int | None, rows: int) -> tuple[int, int]:
         if shard is None:
             return 0, rows
-        cfg = self.config
+        cfg, tp = self.config, self.tp.size
         if "qkv_proj" in target:
-            q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+            q, kv = cfg.num_heads // tp * cfg.head_dim, cfg.num_kv_heads // tp * cfg.head_dim
             return [(0, q), (q, kv), (q + kv, kv)][shard]
         half = rows // 2
         return shard * half, half

@@ -1,0 +1,79 @@
+"""What one tensor-parallel rank holds: its slice of the model's weights and
+its slice of every layer's KV cache (its kv heads). With one rank, the
+whole model and the whole cache."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from engine.attention import get_attention_backend
+from engine.batch import StepBatch
+from engine.config import EngineConfig, ModelConfig
+from engine.loader.weights import iterate_weights
+from engine.models import build_model
+from engine.parallel import TensorParallel
+
+logger = logging.getLogger("engine")
+
+
+class ModelShard:
+    def __init__(self, config: EngineConfig, model_cfg: ModelConfig, model_dir: Path,
+                 max_model_len: int, tp: TensorParallel) -> None:
+        self.config = config
+        self.model_cfg = model_cfg
+        self.tp = tp
+        self.device = torch.device(config.device)
+        self.dtype = getattr(torch, config.dtype)
+        self.block_size = config.cache.block_size
+        self.backend = get_attention_backend(config.attention_backend, config.device)
+        torch.manual_seed(config.seed)
+        default_dtype = torch.get_default_dtype()
+        try:
+            torch.set_default_dtype(self.dtype)
+            with torch.device(self.device):
+                self.model = build_model(model_cfg, self.backend, max_model_len, tp)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        if config.load_format == "dummy":
+            self._init_dummy_weights()
+        else:
+            self.model.load_weights(iterate_weights(model_dir))
+        self.model.eval()
+        self.num_kv_heads = tp.split(model_cfg.num_kv_heads, "num_key_value_heads")
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    @torch.no_grad()
+    def _init_dummy_weights(self) -> None:
+        gen = torch.Generator(device=self.device).manual_seed(self.config.seed + self.tp.rank)
+        for name, param in self.model.named_parameters():
+            if not param.is_floating_point():  # quantized layers
+                if name.endswith("qweight"):
+                    param.random_(generator=gen)  # random integers; g_idx keeps its order
+                continue
+            if "norm" in name:
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02, generator=gen)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of K and V for one block across all layers, on this rank."""
+        cfg = self.model_cfg
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * cfg.num_layers * self.block_size * self.num_kv_heads * cfg.head_dim * elem
+
+    def allocate_cache(self, num_blocks: int) -> None:
+        shape = (num_blocks, self.block_size, self.num_kv_heads, self.model_cfg.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(self.model_cfg.num_layers)
+        ]
+
+    @torch.inference_mode()
+    def forward(self, batch: StepBatch) -> torch.Tensor:  # [num_tokens, hidden]
+        input_ids, positions, meta = batch.to_device(self.device)
+        return self.model(input_ids, positions, self.kv_caches, meta)

@@ -1,0 +1,127 @@
+"""Ranks 1..N-1 of a tensor-parallel engine.
+
+Each is a spawned process that builds its ``ModelShard``, says whether that
+worked, joins the group, then runs the forward pass of every ``StepBatch``
+rank 0 broadcasts (its layers take part in the all-reduces) until rank 0
+broadcasts ``None``. Rank 0 alone schedules, samples and owns the requests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing as mp
+import queue
+import socket
+import time
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+
+from engine.config import EngineConfig, ModelConfig
+from engine.model_shard import ModelShard
+from engine.parallel.group import TensorParallel
+
+logger = logging.getLogger("engine")
+
+_READY_TIMEOUT_S = 600.0  # loading a large shard from a slow disk
+
+
+def rank_device(device: str, rank: int) -> str:
+    """``cuda`` / ``cuda:N`` -> the GPU of ``rank`` (N + rank); the CPU is shared."""
+    if not device.startswith("cuda"):
+        return device
+    base = int(device.partition(":")[2] or 0)
+    return f"cuda:{base + rank}"
+
+
+def comm_backend(device: str) -> str:
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Followers:
+    """The processes of ranks 1..size-1, started and awaited by rank 0."""
+
+    def __init__(self, config: EngineConfig, model_cfg: ModelConfig, model_dir: Path,
+                 max_model_len: int, num_blocks: int, size: int) -> None:
+        self.init_method = f"tcp://127.0.0.1:{_free_port()}"
+        ctx = mp.get_context("spawn")
+        self._ready = ctx.Queue()
+        self.procs: list[BaseProcess] = []
+        for rank in range(1, size):
+            rank_config = dataclasses.replace(config, device=rank_device(config.device, rank))
+            proc = ctx.Process(
+                target=_follow, name=f"tandem-tp{rank}", daemon=True,
+                args=(rank_config, model_cfg, model_dir, max_model_len, num_blocks, rank, size,
+                      self.init_method, self._ready),
+            )
+            proc.start()
+            self.procs.append(proc)
+
+    def wait_ready(self) -> None:
+        """Return once every follower has built its shard; raise the first
+        follower's error (and stop the rest) otherwise."""
+        pending = {p.name for p in self.procs}
+        deadline = time.monotonic() + _READY_TIMEOUT_S
+        while pending:
+            try:
+                name, error = self._ready.get(timeout=1.0)
+            except queue.Empty:
+                dead = next((p for p in self.procs if p.name in pending and not p.is_alive()),
+                            None)
+                if dead is not None:
+                    self.kill()
+                    raise RuntimeError(
+                        f"{dead.name} exited with code {dead.exitcode} while loading its shard"
+                    ) from None
+                if time.monotonic() > deadline:
+                    self.kill()
+                    raise RuntimeError(
+                        f"{', '.join(sorted(pending))} did not load within "
+                        f"{_READY_TIMEOUT_S:.0f} s"
+                    ) from None
+                continue
+            if error is not None:
+                self.kill()
+                raise ValueError(f"{name}: {error}")
+            pending.discard(name)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Wait for the followers to exit (after rank 0 broadcast None)."""
+        for proc in self.procs:
+            proc.join(timeout)
+        self.kill()
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.terminate()
+                proc.join()
+
+
+def _follow(config: EngineConfig, model_cfg: ModelConfig, model_dir: Path, max_model_len: int,
+            num_blocks: int, rank: int, size: int, init_method: str, ready) -> None:
+    name = mp.current_process().name
+    tp = TensorParallel(rank, size)
+    try:
+        if config.device.startswith("cuda"):
+            import torch
+
+            torch.cuda.set_device(config.device)
+        shard = ModelShard(config, model_cfg, model_dir, max_model_len, tp)
+        shard.allocate_cache(num_blocks)
+    except Exception as exc:  # reported to rank 0, which raises it
+        ready.put((name, f"{type(exc).__name__}: {exc}"))
+        return
+    ready.put((name, None))
+    tp.join(init_method, comm_backend(config.device))
+    try:
+        while (batch := tp.broadcast()) is not None:
+            shard.forward(batch)
+    finally:
+        tp.leave()

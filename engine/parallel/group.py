@@ -1,0 +1,57 @@
+"""This process's place in a tensor-parallel group.
+
+Passed explicitly to the layers that need it (no module globals). With one
+rank every method is free: ``all_reduce`` returns its input untouched.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# How long a rank waits in a collective for the others: long enough for a
+# slow first step, short enough that a dead rank surfaces as an error.
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=300)
+
+
+class TensorParallel:
+    def __init__(self, rank: int = 0, size: int = 1) -> None:
+        if size < 1 or not 0 <= rank < size:
+            raise ValueError(f"tensor-parallel rank {rank} of {size} is not valid")
+        self.rank = rank
+        self.size = size
+        self._control = None  # a gloo group for host-side messages
+
+    def split(self, total: int, what: str) -> int:
+        """This rank's share of ``total`` (heads, columns); ValueError unless
+        it divides evenly."""
+        if total % self.size:
+            raise ValueError(
+                f"tensor_parallel_size {self.size} must divide {what} ({total})"
+            )
+        return total // self.size
+
+    def join(self, init_method: str, backend: str) -> None:
+        """Form the group: every rank calls this with the same address."""
+        dist.init_process_group(backend, init_method=init_method, rank=self.rank,
+                                world_size=self.size, timeout=COLLECTIVE_TIMEOUT)
+        self._control = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+
+    def leave(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of ``x`` over the ranks, in place."""
+        if self.size > 1:
+            dist.all_reduce(x, group=dist.group.WORLD)
+        return x
+
+    def broadcast(self, obj: Any = None) -> Any:
+        """Rank 0's ``obj``, on every rank (pickled over the gloo group)."""
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self._control)
+        return box[0]

@@ -1,0 +1,94 @@
+"""Tensor parallelism on the CPU: two real processes joined by gloo, each
+holding half the heads and MLP columns, give the tokens of one process."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import subprocess
+import sys
+
+import pytest
+from tiny_models import build_tiny_model
+
+from tandem import LLM, AsyncEngine, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp")
+    return {name: str(build_tiny_model(name, root)[0]) for name in ("llama-gqa", "qwen2")}
+
+
+def _prompts():
+    rng = random.Random(5)
+    shared = [rng.randrange(3, 500) for _ in range(12)]
+    return [[rng.randrange(3, 500) for _ in range(n)] for n in (2, 9, 31)] + [
+        shared + [5], shared + [6, 7]]
+
+
+def _run(model: str, tp: int, params) -> list[list[int]]:
+    # Small token budget: prompts are chunked; the shared prefix hits the cache.
+    llm = LLM(model, num_blocks=64, block_size=4, max_num_batched_tokens=16,
+              tensor_parallel_size=tp)
+    try:
+        first = llm.generate(_prompts(), params, use_tqdm=False)
+        again = llm.generate(_prompts(), params, use_tqdm=False)
+        assert any(o.num_cached_tokens for o in again)
+        assert llm.engine.kv.num_free_blocks == llm.engine.runner.num_blocks
+        return [o.outputs[0].token_ids for o in first]
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen2"])
+def test_two_ranks_give_the_tokens_of_one(models, name):
+    greedy = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
+    assert _run(models[name], 2, greedy) == _run(models[name], 1, greedy)
+
+
+def test_seeded_sampling_is_the_same_on_two_ranks(models):
+    seeded = SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=6, ignore_eos=True)
+    assert _run(models["llama-gqa"], 2, seeded) == _run(models["llama-gqa"], 1, seeded)
+
+
+def test_shutdown_stops_the_follower_ranks(models):
+    llm = LLM(models["llama-gqa"], num_blocks=16, tensor_parallel_size=2)
+    procs = list(llm.engine.runner.followers.procs)
+    assert [p.name for p in procs] == ["tandem-tp1"] and procs[0].is_alive()
+    llm.engine.shutdown()
+    llm.engine.shutdown()  # idempotent
+    assert not procs[0].is_alive() and procs[0].exitcode == 0
+
+
+def test_async_engine_shutdown_stops_the_followers(models):
+    async def main():
+        engine = AsyncEngine(models["llama-gqa"], num_blocks=16, tensor_parallel_size=2)
+        procs = list(engine.engine.runner.followers.procs)
+        params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        outs = [o async for o in engine.generate([5, 6, 7], params, "r1")]
+        assert len(outs[-1].outputs[0].token_ids) == 3
+        await engine.shutdown()
+        return procs
+
+    procs = asyncio.run(main())
+    assert not any(p.is_alive() for p in procs)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(tensor_parallel_size=3), "must divide num_attention_heads"),
+    (dict(tensor_parallel_size=4), "must divide num_key_value_heads"),  # 2 kv heads
+    (dict(tensor_parallel_size=0), "at least 1"),
+])
+def test_unsplittable_sizes_are_refused(models, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(models["llama-gqa"], num_blocks=16, **kwargs)
+
+
+def test_workers_refuse_tensor_parallelism():
+    proc = subprocess.run(
+        [sys.executable, "-m", "decode_service", "--tensor-parallel-size", "2"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "--tensor-parallel-size above 1 is not supported by workers yet" in proc.stderr

@@ -13,9 +13,11 @@ import torch
 from engine.batch import flatten
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import DecodeGraphs
+from engine.kv_blocks import KVBlocks
 from engine.model_shard import ModelShard
 from engine.parallel import TensorParallel
 from engine.parallel.followers import Followers, comm_backend, rank_device
+from engine.parallel.sharded_kv import ShardedKVBlocks
 from engine.request import Request
 from engine.sampler import SamplingBatch, sample
 from engine.scheduler_output import SchedulerOutput
@@ -50,12 +52,15 @@ class ModelRunner:
         self.num_blocks = self._num_blocks()
         self.shard.allocate_cache(self.num_blocks)
         self.kv_caches = self.shard.kv_caches
+        # Whole blocks of the cache, all ranks' heads: what KV transfer moves.
+        self.kv_blocks: KVBlocks | ShardedKVBlocks = self.shard.blocks
         self.followers: Followers | None = None
         if self.tp.size > 1:
             self.followers = Followers(shard_config, model_cfg, model_dir, max_model_len,
                                        self.num_blocks, self.tp.size)
             self.followers.wait_ready()
             self.tp.join(self.followers.init_method, comm_backend(config.device))
+            self.kv_blocks = ShardedKVBlocks(self.shard.blocks, self.tp)
         self.generators: dict[str, torch.Generator] = {}
         self.decode_graphs = self._decode_graphs(max_model_len)
 
@@ -97,7 +102,8 @@ class ModelRunner:
     def shutdown(self) -> None:
         """Stop the follower ranks and leave the group. Idempotent."""
         if self.followers is not None:
-            self.tp.broadcast(None)
+            with self.tp.lock:
+                self.tp.broadcast(None)
             self.followers.stop()
             self.followers = None
             self.tp.leave()
@@ -109,12 +115,15 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         batch, rows = flatten(out, self.block_size)
         if self.followers is not None:
-            self.tp.broadcast(batch)  # the followers run the same forward
-        input_ids, positions, meta = batch.to_device(self.device)
-        if self.decode_graphs is not None and self.decode_graphs.fits(meta):
-            hidden = self.decode_graphs.run(input_ids, positions, meta)
+            with self.tp.lock:  # the followers run the same forward
+                self.tp.broadcast(("forward", batch))
+                hidden = self.shard.forward(batch)
         else:
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            input_ids, positions, meta = batch.to_device(self.device)
+            if self.decode_graphs is not None and self.decode_graphs.fits(meta):
+                hidden = self.decode_graphs.run(input_ids, positions, meta)
+            else:
+                hidden = self.model(input_ids, positions, self.kv_caches, meta)
 
         result = RunnerOutput()
         sampling = [s.request for s in out.scheduled if s.sample]

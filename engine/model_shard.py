@@ -12,6 +12,7 @@ import torch
 from engine.attention import get_attention_backend
 from engine.batch import StepBatch
 from engine.config import EngineConfig, ModelConfig
+from engine.kv_blocks import KVBlocks
 from engine.loader.weights import iterate_weights
 from engine.models import build_model
 from engine.parallel import TensorParallel
@@ -72,6 +73,7 @@ class ModelShard:
              torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in range(self.model_cfg.num_layers)
         ]
+        self.blocks = KVBlocks(self.kv_caches)
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> torch.Tensor:  # [num_tokens, hidden]

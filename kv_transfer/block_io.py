@@ -1,69 +1,16 @@
-"""Reading and writing whole KV blocks of the paged cache as bytes."""
+"""KV blocks of the paged cache as bytes on the wire, and the layout they travel in."""
 
 from __future__ import annotations
 
 import torch
 
+from engine.kv_blocks import KVBlocks
 from engine.loader.resolve import model_fingerprint
 from kv_transfer.layout import KVLayout
 
-
-class BlockIO:
-    """Views one worker's KV cache (a list of per-layer ``(k, v)`` tensors)
-    as blocks to copy out and in. Callers only touch blocks that no running
-    request reads or writes: held by a finished prefill, or reserved and not
-    yet started on a decode worker."""
-
-    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        self.kv_caches = kv_caches
-
-    @property
-    def device(self) -> torch.device:
-        return self.kv_caches[0][0].device
-
-    @property
-    def num_blocks(self) -> int:
-        return self.kv_caches[0][0].shape[0]
-
-    def read(self, block_ids: list[int]) -> torch.Tensor:
-        """All layers: ``[num_layers, 2, n, block_size, kv_heads, head_dim]``."""
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        out = self.empty(len(self.kv_caches), len(block_ids))
-        # NOTE: gathered straight into one buffer: k[idx] then torch.stack
-        # would copy every byte twice and allocate twice the payload.
-        for layer, (k, v) in enumerate(self.kv_caches):
-            torch.index_select(k, 0, idx, out=out[layer, 0])
-            torch.index_select(v, 0, idx, out=out[layer, 1])
-        return out
-
-    def read_layer(self, layer: int, block_ids: list[int]) -> torch.Tensor:
-        """One layer: ``[2, n, block_size, kv_heads, head_dim]``, contiguous."""
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        k, v = self.kv_caches[layer]
-        out = self.empty(None, len(block_ids))
-        torch.index_select(k, 0, idx, out=out[0])
-        torch.index_select(v, 0, idx, out=out[1])
-        return out
-
-    def write(self, block_ids: list[int], data: torch.Tensor) -> None:
-        """Inverse of ``read``."""
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        for layer, (k, v) in enumerate(self.kv_caches):
-            k[idx] = data[layer, 0]
-            v[idx] = data[layer, 1]
-
-    def write_layer(self, layer: int, block_ids: list[int], data: torch.Tensor) -> None:
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        k, v = self.kv_caches[layer]
-        k[idx] = data[0]
-        v[idx] = data[1]
-
-    def empty(self, num_layers: int | None, num_blocks: int) -> torch.Tensor:
-        k = self.kv_caches[0][0]
-        shape = (2, num_blocks, *k.shape[1:])
-        if num_layers is not None:
-            shape = (num_layers, *shape)
-        return torch.empty(shape, dtype=k.dtype, device=k.device)
+# The block view over a worker's cache (its own, or every tensor-parallel
+# rank's) comes from the engine: ``engine.runner.kv_blocks``.
+BlockIO = KVBlocks
 
 
 def layout_of(engine) -> KVLayout:

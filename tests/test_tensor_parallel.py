@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import random
-import subprocess
-import sys
 
 import pytest
 from tiny_models import build_tiny_model
+from worker_fixtures import Gateway, params, start_worker
 
 from tandem import LLM, AsyncEngine, SamplingParams
+from tandem.cluster import LocalCluster
 
 
 @pytest.fixture(scope="module")
@@ -85,10 +85,31 @@ def test_unsplittable_sizes_are_refused(models, kwargs, message):
         LLM(models["llama-gqa"], num_blocks=16, **kwargs)
 
 
-def test_workers_refuse_tensor_parallelism():
-    proc = subprocess.run(
-        [sys.executable, "-m", "decode_service", "--tensor-parallel-size", "2"],
-        capture_output=True, text=True, timeout=120,
-    )
-    assert proc.returncode == 2
-    assert "--tensor-parallel-size above 1 is not supported by workers yet" in proc.stderr
+# ---- workers: KV moves as whole-model blocks, whatever either side's split ----
+
+
+@pytest.fixture(scope="module")
+def tp_workers(models):
+    model = models["llama-gqa"]
+    with LocalCluster() as cluster:
+        prefill = start_worker(cluster, "prefill", model, 64, "-tp", "2",
+                               "--max-num-batched-tokens", "16")
+        decode_tp2 = start_worker(cluster, "decode", model, 64, "-tp", "2")
+        decode_tp1 = start_worker(cluster, "decode", model, 64)
+        yield prefill, [decode_tp2, decode_tp1]
+
+
+@pytest.mark.parametrize("transport", ["grpc", "torch"])
+async def test_disaggregated_across_split_workers_matches_offline(models, tp_workers, transport):
+    prefill, decodes = tp_workers
+    prompts = _prompts()
+    sp = SamplingParams(temperature=0, max_tokens=6)
+    async with Gateway() as gw:
+        got = await asyncio.gather(*(
+            gw.disaggregated(prefill, decodes[i % 2], f"{transport}-{i}", prompt,
+                             params(**vars(sp)), transport)
+            for i, prompt in enumerate(prompts)
+        ))
+        await gw.wait_idle([prefill, *decodes])
+    expected = _run(models["llama-gqa"], 1, sp)
+    assert [c.token_ids for c in got] == expected

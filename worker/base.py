@@ -8,7 +8,7 @@ import time
 
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
-from kv_transfer.block_io import BlockIO, layout_of
+from kv_transfer.block_io import layout_of
 from rpc.errors import Draining
 from rpc.protos import worker_pb2
 from worker.metrics import WorkerMetrics
@@ -25,7 +25,7 @@ class WorkerBase:
         self.aengine = AsyncEngine(engine)
         self.worker_id = worker_id
         self.address = address
-        self.io = BlockIO(engine.runner.kv_caches)
+        self.io = engine.runner.kv_blocks
         self.layout = layout_of(engine)
         self.draining = False
         self.metrics = metrics or WorkerMetrics(worker_id, self.role)

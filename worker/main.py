@@ -47,13 +47,7 @@ def parser(description: str, roles: list[str]) -> argparse.ArgumentParser:
 
 def run(make_worker: WorkerFactory, description: str, roles: list[str],
         argv: list[str] | None = None) -> None:
-    p = parser(description, roles)
-    args = p.parse_args(argv)
-    if args.tensor_parallel_size > 1:
-        # NOTE: KV transfer reads and writes rank 0's cache only; moving every
-        # rank's heads is not built yet.
-        p.error("--tensor-parallel-size above 1 is not supported by workers yet "
-                "(it is by `tandem generate` and the Python API)")
+    args = parser(description, roles).parse_args(argv)
     setup_logging(args.log_format)
     setup_tracing(f"tandem-{args.role}")
     asyncio.run(serve(make_worker, args))

@@ -1,9 +1,12 @@
 """Ranks 1..N-1 of a tensor-parallel engine.
 
 Each is a spawned process that builds its ``ModelShard``, says whether that
-worked, joins the group, then runs the forward pass of every ``StepBatch``
-rank 0 broadcasts (its layers take part in the all-reduces) until rank 0
-broadcasts ``None``. Rank 0 alone schedules, samples and owns the requests.
+worked, joins the group, then carries out the commands rank 0 broadcasts
+until it broadcasts ``None``: ``("forward", StepBatch)`` (its layers take
+part in the all-reduces), ``("read_kv", block_ids, layer)`` (its heads of
+those blocks, gathered to rank 0) and ``("write_kv", block_ids, layer)``
+(its share, scattered from rank 0). Rank 0 alone schedules, samples and
+owns the requests.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pathlib import Path
 from engine.config import EngineConfig, ModelConfig
 from engine.model_shard import ModelShard
 from engine.parallel.group import TensorParallel
+from engine.parallel.sharded_kv import read_local, write_local
 
 logger = logging.getLogger("engine")
 
@@ -121,7 +125,18 @@ def _follow(config: EngineConfig, model_cfg: ModelConfig, model_dir: Path, max_m
     ready.put((name, None))
     tp.join(init_method, comm_backend(config.device))
     try:
-        while (batch := tp.broadcast()) is not None:
-            shard.forward(batch)
+        while (command := tp.broadcast()) is not None:
+            kind, *args = command
+            if kind == "forward":
+                shard.forward(*args)
+            elif kind == "read_kv":
+                tp.gather(read_local(shard.blocks, *args))
+            elif kind == "write_kv":
+                block_ids, layer = args
+                num_layers = len(shard.kv_caches) if layer is None else None
+                out = shard.blocks.empty(num_layers, len(block_ids))
+                write_local(shard.blocks, block_ids, layer, tp.scatter(out))
+            else:
+                raise RuntimeError(f"unknown tensor-parallel command {kind!r}")
     finally:
         tp.leave()

@@ -7,6 +7,7 @@ rank every method is free: ``all_reduce`` returns its input untouched.
 from __future__ import annotations
 
 import datetime
+import threading
 from typing import Any
 
 import torch
@@ -24,6 +25,10 @@ class TensorParallel:
         self.rank = rank
         self.size = size
         self._control = None  # a gloo group for host-side messages
+        # Rank 0 holds it from broadcasting a command to the command's last
+        # collective, so commands from two threads (a step, a KV copy) never
+        # interleave their collectives.
+        self.lock = threading.Lock()
 
     def split(self, total: int, what: str) -> int:
         """This rank's share of ``total`` (heads, columns); ValueError unless
@@ -49,6 +54,17 @@ class TensorParallel:
         if self.size > 1:
             dist.all_reduce(x, group=dist.group.WORLD)
         return x
+
+    def gather(self, local: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's ``local`` (same shapes), in rank order, on rank 0."""
+        parts = [torch.empty_like(local) for _ in range(self.size)] if self.rank == 0 else None
+        dist.gather(local.contiguous(), parts, dst=0)
+        return parts
+
+    def scatter(self, out: torch.Tensor, parts: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Rank 0 hands ``parts[r]`` to rank r, which receives it into ``out``."""
+        dist.scatter(out, [p.contiguous() for p in parts] if self.rank == 0 else None, src=0)
+        return out
 
     def broadcast(self, obj: Any = None) -> Any:
         """Rank 0's ``obj``, on every rank (pickled over the gloo group)."""

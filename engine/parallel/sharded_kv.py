@@ -1,0 +1,75 @@
+"""KV blocks spread over tensor-parallel ranks, seen from rank 0 as one cache.
+
+Each rank holds its own kv heads of every block. Reading a block asks every
+rank for its heads and joins them along the head dimension; writing splits
+the heads and hands each rank its share. So what leaves or enters a worker
+is the whole-model block, whatever the tensor-parallel size on either side.
+Same interface as ``engine.kv_blocks.KVBlocks``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.kv_blocks import KVBlocks
+from engine.parallel.group import TensorParallel
+
+_HEADS = -2  # [..., block_size, kv_heads, head_dim]
+
+
+class ShardedKVBlocks:
+    def __init__(self, local: KVBlocks, tp: TensorParallel) -> None:
+        self.local = local
+        self.tp = tp
+
+    @property
+    def device(self) -> torch.device:
+        return self.local.device
+
+    @property
+    def num_blocks(self) -> int:
+        return self.local.num_blocks
+
+    def read(self, block_ids: list[int]) -> torch.Tensor:
+        return self._read(block_ids, None)
+
+    def read_layer(self, layer: int, block_ids: list[int]) -> torch.Tensor:
+        return self._read(block_ids, layer)
+
+    def write(self, block_ids: list[int], data: torch.Tensor) -> None:
+        self._write(block_ids, None, data)
+
+    def write_layer(self, layer: int, block_ids: list[int], data: torch.Tensor) -> None:
+        self._write(block_ids, layer, data)
+
+    def empty(self, num_layers: int | None, num_blocks: int) -> torch.Tensor:
+        local = self.local.empty(num_layers, num_blocks)
+        shape = list(local.shape)
+        shape[_HEADS] *= self.tp.size
+        return torch.empty(shape, dtype=local.dtype, device=local.device)
+
+    def _read(self, block_ids: list[int], layer: int | None) -> torch.Tensor:
+        with self.tp.lock:
+            self.tp.broadcast(("read_kv", block_ids, layer))
+            parts = self.tp.gather(read_local(self.local, block_ids, layer))
+        return torch.cat(parts, dim=_HEADS)
+
+    def _write(self, block_ids: list[int], layer: int | None, data: torch.Tensor) -> None:
+        parts = list(data.chunk(self.tp.size, dim=_HEADS))
+        with self.tp.lock:
+            self.tp.broadcast(("write_kv", block_ids, layer))
+            mine = self.tp.scatter(torch.empty_like(parts[0], memory_format=torch.contiguous_format),
+                                   parts)
+            write_local(self.local, block_ids, layer, mine)
+
+
+def read_local(blocks: KVBlocks, block_ids: list[int], layer: int | None) -> torch.Tensor:
+    return blocks.read(block_ids) if layer is None else blocks.read_layer(layer, block_ids)
+
+
+def write_local(blocks: KVBlocks, block_ids: list[int], layer: int | None,
+                data: torch.Tensor) -> None:
+    if layer is None:
+        blocks.write(block_ids, data)
+    else:
+        blocks.write_layer(layer, block_ids, data)

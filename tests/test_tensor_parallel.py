@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import random
+from pathlib import Path
 
 import pytest
-from tiny_models import build_tiny_model
+from tiny_models import AWQ, GPTQ, build_tiny_model, quantize_checkpoint
 from worker_fixtures import Gateway, params, start_worker
 
 from tandem import LLM, AsyncEngine, SamplingParams
@@ -113,3 +114,15 @@ async def test_disaggregated_across_split_workers_matches_offline(models, tp_wor
         await gw.wait_idle([prefill, *decodes])
     expected = _run(models["llama-gqa"], 1, sp)
     assert [c.token_ids for c in got] == expected
+
+
+@pytest.mark.parametrize("name,cfg,act_order", [
+    ("gptq-act-order", {**GPTQ, "desc_act": True, "group_size": 16}, True),
+    ("awq", AWQ, False),
+])
+def test_quantized_checkpoints_split_over_two_ranks(models, tmp_path, name, cfg, act_order):
+    """Column-parallel layers split the packed columns; row-parallel ones
+    split the packed rows and g_idx and keep every group's scales."""
+    qdir, _ = quantize_checkpoint(Path(models["llama-gqa"]), tmp_path / name, cfg, act_order)
+    greedy = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
+    assert _run(str(qdir), 2, greedy) == _run(str(qdir), 1, greedy)

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import zlib
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
+
+from engine.quantization import QuantConfig
+from engine.quantization.formats import checkpoint_tensors, quantize_rtn
 
 TINY = dict(
     vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -50,3 +56,49 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
         )
     return out[0, len(prompt):].tolist()
+
+
+# ---- quantized checkpoints ---------------------------------------------------
+
+GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False}
+AWQ = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"}
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def quantize_checkpoint(src, dst, cfg: dict, act_order: bool = False):
+    """Write ``src`` quantized as ``cfg`` says into ``dst``, and the same model
+    with the dequantized weights in float into ``dst``-float; return both."""
+    quant = QuantConfig.from_dict(cfg)
+    weights = load_file(src / "model.safetensors")
+    quantized, rounded = {}, {}
+    for name, tensor in weights.items():
+        layer = name.split(".")[-2] if name.endswith(".weight") else ""
+        if layer not in LINEARS:
+            quantized[name] = rounded[name] = tensor
+            continue
+        in_features = tensor.shape[1]
+        g_idx = None
+        if act_order:  # one random order per input, shared by q/k/v and gate/up (as in GPTQ)
+            shared = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up",
+                      "up_proj": "gate_up"}.get(layer, layer)
+            seed = zlib.crc32(f"{name.split('.')[2]}.{shared}".encode())
+            perm = torch.randperm(in_features, generator=torch.Generator().manual_seed(seed))
+            g_idx = torch.empty(in_features, dtype=torch.int32)
+            g_idx[perm] = torch.arange(in_features, dtype=torch.int32) // quant.group_of(in_features)
+        ck = checkpoint_tensors(quant, tensor, g_idx)
+        prefix = name.removesuffix(".weight")
+        quantized.update({f"{prefix}.{k}": v for k, v in ck.items()})
+        # The float twin straight from the rounding, not through Tandem's loader.
+        q, scales, zeros, g = quantize_rtn(tensor, quant.bits, quant.group_size, g_idx)
+        g = g.long()
+        w = (q - zeros[g]).float() * scales.half().float()[g]
+        rounded[name] = w.T.contiguous()
+    float_dir = dst.parent / (dst.name + "-float")
+    for path, tensors, extra in ((dst, quantized, {"quantization_config": cfg}),
+                                 (float_dir, rounded, {})):
+        path.mkdir(parents=True)
+        config = json.loads((src / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**config, **extra}))
+        save_file(tensors, str(path / "model.safetensors"))
+    return dst, float_dir

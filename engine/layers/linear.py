@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.parallel import TensorParallel
 from engine.quantization import QuantConfig
 from engine.quantization.formats import to_tandem
 from kernels import reference
@@ -20,53 +21,73 @@ from kernels import reference
 
 def linear(
     in_features: int, out_features: int, bias: bool, quant: QuantConfig | None, fused: bool,
-    parallel: str | None = None,
+    tp: TensorParallel | None = None, parallel: str | None = None,
 ) -> nn.Module:
-    """A linear layer of this rank's shape. ``parallel``: "column" when ranks
-    split its outputs (each holds some rows of the weight), "row" when they
-    split its inputs (each holds some columns; the caller sums the partial
-    outputs across ranks), None when every rank holds all of it."""
+    """This rank's part of an ``in_features`` -> ``out_features`` layer.
+
+    ``parallel``: "column" when tensor-parallel ranks split its outputs (each
+    holds some rows of the weight), "row" when they split its inputs (each
+    holds some columns and the caller sums the ranks' partial outputs), None
+    when every rank holds all of it.
+    """
+    size, rank = (tp.size, tp.rank) if tp is not None and parallel else (1, 0)
+    if parallel == "row" and bias:
+        raise ValueError("a row-parallel layer cannot have a bias: every rank would add it")
+    local_in = in_features // size if parallel == "row" else in_features
+    local_out = out_features // size if parallel == "column" else out_features
     if quant is None:
-        layer = nn.Linear(in_features, out_features, bias=bias)
+        layer = nn.Linear(local_in, local_out, bias=bias)
         if parallel is not None:
             layer.weight.tp_dim = 0 if parallel == "column" else 1
-            if layer.bias is not None and parallel == "column":
+            if layer.bias is not None:
                 layer.bias.tp_dim = 0
         return layer
-    if parallel is not None:
-        raise ValueError("tensor parallelism is not supported with quantized checkpoints yet")
-    return QuantLinear(in_features, out_features, bias, quant, fused)
+    return QuantLinear(local_in, local_out, bias, quant, fused, parallel=parallel, rank=rank,
+                       full_in_features=in_features)
 
 
 class QuantLinear(nn.Module):
     """``y = x @ W + b`` with ``W`` as packed integers, per-group scales and
-    zero points (the layout of engine/quantization/formats.py)."""
+    zero points (the layout of engine/quantization/formats.py).
+
+    Split by rows (inputs) across ranks, each rank keeps every group's scales
+    and zero points and its slice of ``g_idx``, which indexes them: that
+    serves act-order checkpoints, whose groups are scattered over the rows.
+    """
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool, quant: QuantConfig, fused: bool
+        self, in_features: int, out_features: int, bias: bool, quant: QuantConfig, fused: bool,
+        *, parallel: str | None = None, rank: int = 0, full_in_features: int | None = None,
     ) -> None:
         super().__init__()
-        group, pack = quant.group_of(in_features), quant.pack_factor
-        if in_features % group or in_features % pack or out_features % pack:
+        full_in = full_in_features or in_features
+        group, pack = quant.group_of(full_in), quant.pack_factor
+        if full_in % group or in_features % pack:
             raise ValueError(
-                f"a {in_features}x{out_features} layer cannot hold {quant.method} "
-                f"{quant.bits}-bit weights in groups of {group}: the input size must be a "
-                f"multiple of the group size and of {pack}, the output size of {pack}"
+                f"a layer of {full_in} inputs ({in_features} on this rank) cannot hold "
+                f"{quant.method} {quant.bits}-bit weights in groups of {group}: the input size "
+                f"must be a multiple of the group size, and each rank's of {pack}"
             )
         self.quant = quant
-        groups = in_features // group
+        groups = full_in // group
+        column, row = parallel == "column", parallel == "row"
 
-        def param(t: torch.Tensor, output_dim: int | None) -> nn.Parameter:
+        def param(t: torch.Tensor, output_dim: int | None, tp_dim: int | None) -> nn.Parameter:
             p = nn.Parameter(t, requires_grad=False)
             p.output_dim = output_dim
+            if parallel is not None and tp_dim is not None:
+                p.tp_dim = tp_dim
             return p
 
-        self.qweight = param(torch.zeros(in_features // pack, out_features, dtype=torch.int32), 1)
-        self.scales = param(torch.ones(groups, out_features), 1)
-        self.zeros = param(torch.zeros(groups, out_features), 1)
-        self.g_idx = param(torch.arange(in_features, dtype=torch.int32) // group, None)
+        self.qweight = param(torch.zeros(in_features // pack, out_features, dtype=torch.int32), 1,
+                             1 if column else 0)
+        self.scales = param(torch.ones(groups, out_features), 1, 1 if column else None)
+        self.zeros = param(torch.zeros(groups, out_features), 1, 1 if column else None)
+        first_row = rank * in_features if row else 0
+        rows = torch.arange(first_row, first_row + in_features, dtype=torch.int32)
+        self.g_idx = param(rows // group, None, 0 if row else None)
         self.g_idx.optional = True  # AWQ stores none; GPTQ's may be the default order
-        self.bias = param(torch.zeros(out_features), 0) if bias else None
+        self.bias = param(torch.zeros(out_features), 0, 0) if bias else None
         if fused:
             from kernels.quant_matmul import quant_matmul  # imports triton: only where it runs
 

@@ -36,10 +36,10 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         quant, fused = cfg.quantization, backend.fused_layers
-        column, row = ("column", "row") if tp.size > 1 else (None, None)
-        self.qkv_proj = linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias,
-                               quant, fused, column)
-        self.o_proj = linear(self.q_size, cfg.hidden_size, False, quant, fused, row)
+        qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        self.qkv_proj = linear(cfg.hidden_size, qkv_out, cfg.qkv_bias, quant, fused, tp, "column")
+        self.o_proj = linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, False, quant, fused,
+                             tp, "row")
         self.tp = tp
         self.rotary = rotary
         self.backend = backend
@@ -62,11 +62,10 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig, fused: bool, tp: TensorParallel):
         super().__init__()
-        quant = cfg.quantization
-        inner = tp.split(cfg.intermediate_size, "intermediate_size")
-        column, row = ("column", "row") if tp.size > 1 else (None, None)
-        self.gate_up_proj = linear(cfg.hidden_size, 2 * inner, False, quant, fused, column)
-        self.down_proj = linear(inner, cfg.hidden_size, False, quant, fused, row)
+        quant, inner = cfg.quantization, cfg.intermediate_size
+        tp.split(inner, "intermediate_size")  # ValueError unless the ranks share it evenly
+        self.gate_up_proj = linear(cfg.hidden_size, 2 * inner, False, quant, fused, tp, "column")
+        self.down_proj = linear(inner, cfg.hidden_size, False, quant, fused, tp, "row")
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.kv_blocks import KVBlocks
 from engine.model_shard import ModelShard
 from engine.parallel import TensorParallel
-from engine.parallel.followers import Followers, comm_backend, rank_device
+from engine.parallel.followers import Followers, comm_backend, rank_device, share_cpu
 from engine.parallel.sharded_kv import ShardedKVBlocks
 from engine.request import Request
 from engine.sampler import SamplingBatch, sample
@@ -56,6 +56,8 @@ class ModelRunner:
         self.kv_blocks: KVBlocks | ShardedKVBlocks = self.shard.blocks
         self.followers: Followers | None = None
         if self.tp.size > 1:
+            if self.device.type == "cpu":
+                share_cpu(self.tp.size)
             self.followers = Followers(shard_config, model_cfg, model_dir, max_model_len,
                                        self.num_blocks, self.tp.size)
             self.followers.wait_ready()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import multiprocessing as mp
+import os
 import queue
 import socket
 import time
@@ -40,6 +41,15 @@ def rank_device(device: str, rank: int) -> str:
 
 def comm_backend(device: str) -> str:
     return "nccl" if device.startswith("cuda") else "gloo"
+
+
+def share_cpu(size: int) -> None:
+    """On the CPU, give each of ``size`` ranks its share of the cores: every
+    rank running a full pool of threads oversubscribes the machine, and the
+    ranks then wait on each other at every all-reduce."""
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
 
 
 def _free_port() -> int:
@@ -117,6 +127,8 @@ def _follow(config: EngineConfig, model_cfg: ModelConfig, model_dir: Path, max_m
             import torch
 
             torch.cuda.set_device(config.device)
+        else:
+            share_cpu(size)
         shard = ModelShard(config, model_cfg, model_dir, max_model_len, tp)
         shard.allocate_cache(num_blocks)
     except Exception as exc:  # reported to rank 0, which raises it

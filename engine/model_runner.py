@@ -55,6 +55,7 @@ class ModelRunner:
         # Whole blocks of the cache, all ranks' heads: what KV transfer moves.
         self.kv_blocks: KVBlocks | ShardedKVBlocks = self.shard.blocks
         self.followers: Followers | None = None
+        self._threads = torch.get_num_threads()  # restored by shutdown()
         if self.tp.size > 1:
             if self.device.type == "cpu":
                 share_cpu(self.tp.size)
@@ -109,6 +110,7 @@ class ModelRunner:
             self.followers.stop()
             self.followers = None
             self.tp.leave()
+            torch.set_num_threads(self._threads)
 
     def remove_request(self, request_id: str) -> None:
         self.generators.pop(request_id, None)

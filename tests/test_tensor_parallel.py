@@ -126,3 +126,15 @@ def test_quantized_checkpoints_split_over_two_ranks(models, tmp_path, name, cfg,
     qdir, _ = quantize_checkpoint(Path(models["llama-gqa"]), tmp_path / name, cfg, act_order)
     greedy = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
     assert _run(str(qdir), 2, greedy) == _run(str(qdir), 1, greedy)
+
+
+def test_cpu_ranks_share_the_cores_and_give_them_back(models):
+    import os
+
+    import torch
+
+    before = torch.get_num_threads()
+    llm = LLM(models["llama-gqa"], num_blocks=16, tensor_parallel_size=2)
+    assert torch.get_num_threads() == max(1, os.cpu_count() // 2)
+    llm.engine.shutdown()
+    assert torch.get_num_threads() == before

@@ -63,8 +63,8 @@ def build_model(root: Path) -> Path:
 
 
 async def bench_transports(address: str, sizes: list[int], repeats: int) -> dict:
+    from engine.kv_blocks import KVBlocks
     from engine.sampling_params import SamplingParams
-    from kv_transfer.block_io import BlockIO
     from kv_transfer.grpc_transport import GrpcSender
     from kv_transfer.layout import KVLayout
     from kv_transfer.torch_transport import TorchSender
@@ -78,7 +78,7 @@ async def bench_transports(address: str, sizes: list[int], repeats: int) -> dict
     layout = KVLayout.from_proto(info.layout)
     max_blocks = max(sizes) * (1 << 20) // (TOKEN_BYTES * BLOCK_SIZE)
     shape = (max_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
-    io = BlockIO([(torch.randn(shape), torch.randn(shape)) for _ in range(LAYERS)])
+    io = KVBlocks([(torch.randn(shape), torch.randn(shape)) for _ in range(LAYERS)])
     senders = {"grpc": GrpcSender(io, layout, channels),
                "torch": TorchSender(io, layout, channels, "bench-prefill")}
     params = params_to_proto(SamplingParams(max_tokens=1))

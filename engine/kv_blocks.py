@@ -2,7 +2,38 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
+
+
+class KVBlockView(Protocol):
+    """Whole KV blocks of a worker's cache, every layer and every kv head,
+    as KV transfer reads and writes them. ``KVBlocks`` is the view of one
+    process's cache; ``engine.parallel.sharded_kv.ShardedKVBlocks`` the view
+    over every tensor-parallel rank's."""
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def num_blocks(self) -> int: ...
+
+    def read(self, block_ids: list[int]) -> torch.Tensor:
+        """``[num_layers, 2, n, block_size, kv_heads, head_dim]``."""
+        ...
+
+    def read_layer(self, layer: int, block_ids: list[int]) -> torch.Tensor:
+        """``[2, n, block_size, kv_heads, head_dim]``."""
+        ...
+
+    def write(self, block_ids: list[int], data: torch.Tensor) -> None: ...
+
+    def write_layer(self, layer: int, block_ids: list[int], data: torch.Tensor) -> None: ...
+
+    def empty(self, num_layers: int | None, num_blocks: int) -> torch.Tensor:
+        """A buffer shaped like ``read`` (or ``read_layer`` without layers)."""
+        ...
 
 
 class KVBlocks:

@@ -13,7 +13,7 @@ import torch
 from engine.batch import flatten
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import DecodeGraphs
-from engine.kv_blocks import KVBlocks
+from engine.kv_blocks import KVBlockView
 from engine.model_shard import ModelShard
 from engine.parallel import TensorParallel
 from engine.parallel.followers import Followers, comm_backend, rank_device, share_cpu
@@ -42,6 +42,9 @@ class ModelRunner:
         self.model_cfg = model_cfg
         self.tp = TensorParallel(0, config.tensor_parallel_size)
         shard_config = dataclasses.replace(config, device=rank_device(config.device, 0))
+        if shard_config.device.startswith("cuda"):
+            # Triton launches, graph capture and NCCL use the current device.
+            torch.cuda.set_device(shard_config.device)
         self.shard = ModelShard(shard_config, model_cfg, model_dir, max_model_len, self.tp)
         self.device = self.shard.device
         self.block_size = self.shard.block_size
@@ -53,7 +56,7 @@ class ModelRunner:
         self.shard.allocate_cache(self.num_blocks)
         self.kv_caches = self.shard.kv_caches
         # Whole blocks of the cache, all ranks' heads: what KV transfer moves.
-        self.kv_blocks: KVBlocks | ShardedKVBlocks = self.shard.blocks
+        self.kv_blocks: KVBlockView = self.shard.blocks
         self.followers: Followers | None = None
         self._threads = torch.get_num_threads()  # restored by shutdown()
         if self.tp.size > 1:
@@ -61,9 +64,14 @@ class ModelRunner:
                 share_cpu(self.tp.size)
             self.followers = Followers(shard_config, model_cfg, model_dir, max_model_len,
                                        self.num_blocks, self.tp.size)
-            self.followers.wait_ready()
-            self.tp.join(self.followers.init_method, comm_backend(config.device))
-            self.kv_blocks = ShardedKVBlocks(self.shard.blocks, self.tp)
+            try:
+                self.followers.wait_ready()
+                self.tp.join(self.followers.init_method, comm_backend(config.device))
+            except BaseException:
+                self.followers.kill()
+                torch.set_num_threads(self._threads)
+                raise
+            self.kv_blocks = ShardedKVBlocks(self.shard.blocks, self.tp, self.followers.send)
         self.generators: dict[str, torch.Generator] = {}
         self.decode_graphs = self._decode_graphs(max_model_len)
 
@@ -104,11 +112,16 @@ class ModelRunner:
 
     def shutdown(self) -> None:
         """Stop the follower ranks and leave the group. Idempotent."""
-        if self.followers is not None:
+        followers, self.followers = self.followers, None
+        if followers is None:
+            return
+        try:
             with self.tp.lock:
-                self.tp.broadcast(None)
-            self.followers.stop()
-            self.followers = None
+                followers.send(None)
+        except RuntimeError as exc:  # one is gone already: stop the others below
+            logger.warning("tensor-parallel shutdown: %s", exc)
+        finally:
+            followers.stop()
             self.tp.leave()
             torch.set_num_threads(self._threads)
 
@@ -120,7 +133,7 @@ class ModelRunner:
         batch, rows = flatten(out, self.block_size)
         if self.followers is not None:
             with self.tp.lock:  # the followers run the same forward
-                self.tp.broadcast(("forward", batch))
+                self.followers.send(("forward", batch))
                 hidden = self.shard.forward(batch)
         else:
             input_ids, positions, meta = batch.to_device(self.device)

@@ -48,7 +48,9 @@ class ModelShard:
 
     @torch.no_grad()
     def _init_dummy_weights(self) -> None:
-        gen = torch.Generator(device=self.device).manual_seed(self.config.seed + self.tp.rank)
+        # One seed on every rank: weights they all hold whole (embeddings,
+        # norms, the LM head) come out the same.
+        gen = torch.Generator(device=self.device).manual_seed(self.config.seed)
         for name, param in self.model.named_parameters():
             if not param.is_floating_point():  # quantized layers
                 if name.endswith("qweight"):

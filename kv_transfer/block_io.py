@@ -4,13 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.kv_blocks import KVBlocks
 from engine.loader.resolve import model_fingerprint
 from kv_transfer.layout import KVLayout
-
-# The block view over a worker's cache (its own, or every tensor-parallel
-# rank's) comes from the engine: ``engine.runner.kv_blocks``.
-BlockIO = KVBlocks
 
 
 def layout_of(engine) -> KVLayout:

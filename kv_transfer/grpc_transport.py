@@ -8,8 +8,9 @@ import time
 
 import grpc
 
+from engine.kv_blocks import KVBlockView
 from kv_transfer.base import PREFLIGHT_BYTES, KVSender
-from kv_transfer.block_io import BlockIO, to_bytes
+from kv_transfer.block_io import to_bytes
 from kv_transfer.layout import KVLayout, TransferStats
 from kv_transfer.progress import PrefillProgress
 from rpc.channel import MAX_MESSAGE_BYTES
@@ -26,7 +27,7 @@ class GrpcSender(KVSender):
     name = "grpc"
     streams_during_compute = True
 
-    def __init__(self, io: BlockIO, layout: KVLayout, channels: ChannelPool) -> None:
+    def __init__(self, io: KVBlockView, layout: KVLayout, channels: ChannelPool) -> None:
         super().__init__()
         self.io = io
         self.layout = layout
@@ -43,7 +44,10 @@ class GrpcSender(KVSender):
             )
 
         async def read(lo: int, hi: int):
-            return self.io.read(src_block_ids[lo:hi])
+            # Off the event loop: with tensor parallelism a read waits for
+            # the running step and gathers from every rank.
+            return await asyncio.get_running_loop().run_in_executor(
+                None, self.io.read, src_block_ids[lo:hi])
 
         progress = PrefillProgress(len(src_block_ids), read)
         progress.complete()

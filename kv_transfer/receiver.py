@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kv_transfer.block_io import BlockIO, from_bytes
+from engine.kv_blocks import KVBlockView
+from kv_transfer.block_io import from_bytes
 from kv_transfer.layout import KVLayout
 from kv_transfer.torch_transport import PREFLIGHT_TAG, PairGroup, join_group, transfer_tag
 from rpc.errors import Fenced, NotFound
@@ -42,7 +43,7 @@ class Reservation:
 
 
 class KVReceiver:
-    def __init__(self, io: BlockIO, layout: KVLayout,
+    def __init__(self, io: KVBlockView, layout: KVLayout,
                  release: Callable[[str], None]) -> None:
         """``release(request_id)`` frees a cancelled reservation's blocks."""
         self.io = io

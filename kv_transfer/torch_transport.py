@@ -31,8 +31,8 @@ import grpc
 import torch
 import torch.distributed as dist
 
+from engine.kv_blocks import KVBlockView
 from kv_transfer.base import PREFLIGHT_BYTES, KVSender
-from kv_transfer.block_io import BlockIO
 from kv_transfer.layout import KVLayout, TransferStats
 from rpc.errors import peer_error
 from rpc.pool import ChannelPool
@@ -96,7 +96,7 @@ class PairGroup:
 class TorchSender(KVSender):
     name = "torch"
 
-    def __init__(self, io: BlockIO, layout: KVLayout, channels: ChannelPool,
+    def __init__(self, io: KVBlockView, layout: KVLayout, channels: ChannelPool,
                  worker_id: str, host: str = "127.0.0.1") -> None:
         super().__init__()
         self.io = io

@@ -86,12 +86,16 @@ def test_padding_rows_store_nothing(tiny_dir):
     with torch.inference_mode():
         ids = torch.tensor([5, 6, 7, 8])
         graphs.run(ids, torch.tensor([0, 1, 8, 9]), meta([0, 1, 8, 9], [1, 2, 9, 10]))
-        k_cache = runner.kv_caches[0][0].view(-1, *runner.kv_caches[0][0].shape[2:])
-        before = k_cache[9].clone()
+        # A sentinel in slot 9 of every layer: a padding row that stored its
+        # stale token again would overwrite it.
+        slot9 = [(k.view(-1, *k.shape[2:])[9], v.view(-1, *v.shape[2:])[9])
+                 for k, v in runner.kv_caches]
+        for k, v in slot9:
+            k.fill_(7.0)
+            v.fill_(7.0)
         out = graphs.run(ids[:3] + 1, torch.tensor([1, 2, 3]), meta([1, 2, 3], [2, 3, 4]))
     assert out.shape[0] == 3
-    assert graphs.slot_mapping[3].item() == -1
-    torch.testing.assert_close(k_cache[9], before, rtol=0, atol=0)
+    assert all((k == 7.0).all() and (v == 7.0).all() for k, v in slot9)
 
 
 def test_only_pure_decode_steps_fit(tiny_dir):

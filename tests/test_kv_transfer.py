@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from kv_transfer.block_io import BlockIO, from_bytes, to_bytes
+from engine.kv_blocks import KVBlocks
+from kv_transfer.block_io import from_bytes, to_bytes
 from kv_transfer.layout import KVLayout
 from kv_transfer.receiver import MAX_PREFLIGHT_BYTES, KVReceiver
 from kv_transfer.torch_transport import PairGroup, make_group, transfer_tag
@@ -87,7 +88,7 @@ def no_pickle(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_blocks_round_trip_as_raw_bytes(dtype, no_pickle):
-    src, dst = BlockIO(caches(dtype)), BlockIO(caches(dtype, fill="zeros"))
+    src, dst = KVBlocks(caches(dtype)), KVBlocks(caches(dtype, fill="zeros"))
     data = to_bytes(src.read([5, 0, 3]))
     itemsize = torch.finfo(dtype).bits // 8
     assert len(data) == LAYERS * 2 * 3 * BLOCK_SIZE * KV_HEADS * HEAD_DIM * itemsize
@@ -100,7 +101,7 @@ def test_blocks_round_trip_as_raw_bytes(dtype, no_pickle):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_one_layer_round_trip(dtype, no_pickle):
-    src, dst = BlockIO(caches(dtype)), BlockIO(caches(dtype, fill="zeros"))
+    src, dst = KVBlocks(caches(dtype)), KVBlocks(caches(dtype, fill="zeros"))
     data = to_bytes(src.read_layer(1, [6, 2]))
     dst.write_layer(1, [0, 4], from_bytes(data, dst.empty(None, 2)))
     assert torch.equal(dst.kv_caches[1][0][[0, 4]], src.kv_caches[1][0][[6, 2]])
@@ -120,8 +121,8 @@ class Receiver:
     """A KVReceiver over a zeroed cache, with a source cache to send from."""
 
     def __init__(self, dtype=torch.float32) -> None:
-        self.src = BlockIO(caches(dtype))
-        self.dst = BlockIO(caches(dtype, fill="zeros"))
+        self.src = KVBlocks(caches(dtype))
+        self.dst = KVBlocks(caches(dtype, fill="zeros"))
         self.released: list[str] = []
         self.transfers: list[tuple] = []
         self.layout = layout(dtype=str(dtype).removeprefix("torch."))

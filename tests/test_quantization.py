@@ -55,11 +55,11 @@ def test_gptq_layout_bit_by_bit():
     torch.manual_seed(1)
     weight = torch.randn(16, 64)  # nn.Linear layout: [out, in]
     ck = checkpoint_tensors(quant, weight)
-    q, _, zeros, _ = quantize_rtn(weight, 4, 32)
+    q, _, zeros, _ = quantize_rtn(weight, 4, 32, min_zero=1)
     assert ck["qweight"].shape == (8, 16) and ck["qzeros"].shape == (2, 2)
     for i in range(8):
         assert _nibble(ck["qweight"][1, 5], i) == q[8 + i, 5]
-        assert _nibble(ck["qzeros"][1, 0], i) == (zeros[1, i] - 1) % 16
+        assert _nibble(ck["qzeros"][1, 0], i) == zeros[1, i] - 1
     assert ck["g_idx"].tolist() == [k // 32 for k in range(64)]
 
 
@@ -91,6 +91,21 @@ def test_checkpoint_converts_to_the_rounded_weight(cfg):
     scales = tensors["scales"].float()[g_idx.long()]
     # Round to nearest: within half a step of the float weight (plus fp16 scales).
     assert ((w - weight.T).abs() <= scales * 0.5 + 1e-3).all()
+
+
+@pytest.mark.parametrize("cfg", [GPTQ, AWQ])
+def test_a_group_without_negative_weights_round_trips(cfg):
+    """Its zero point would be 0, which GPTQ's original format (zero - 1 in
+    four bits) cannot store: the writer keeps zeros >= 1 there."""
+    quant = QuantConfig.from_dict(cfg)
+    torch.manual_seed(4)
+    weight = torch.rand(16, 64)  # all >= 0
+    tensors = dict(to_tandem(quant, name, t) for name, t in checkpoint_tensors(quant, weight).items())
+    g_idx = torch.arange(64, dtype=torch.int32) // 32
+    w = reference.dequantize(tensors["qweight"], tensors["scales"].float(),
+                             tensors["zeros"].float(), g_idx, quant.bits)
+    step = tensors["scales"].float()[g_idx.long()]
+    assert ((w - weight.T).abs() <= step * 0.5 + 1e-3).all()
 
 
 def test_quant_config_reads_and_refuses():
@@ -233,6 +248,15 @@ def test_bad_quantized_checkpoints_are_refused(tiny_src, tmp_path):
     weights[key] = weights[key].flip(0).contiguous()
     save_file(weights, str(qdir / "model.safetensors"))
     with pytest.raises(ValueError, match="differs between the fused shards"):
+        LLM(str(qdir), num_blocks=16)
+
+
+def test_a_missing_shard_is_named(tiny_src, tmp_path):
+    qdir, _ = quantize_checkpoint(tiny_src, tmp_path / "gptq", GPTQ)
+    weights = load_file(qdir / "model.safetensors")
+    del weights["model.layers.1.self_attn.k_proj.scales"]  # q and v keep theirs
+    save_file(weights, str(qdir / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"missing weights, e.g. \['layers.1.self_attn.qkv_proj.scales'\]"):
         LLM(str(qdir), num_blocks=16)
 
 

@@ -138,3 +138,17 @@ def test_cpu_ranks_share_the_cores_and_give_them_back(models):
     assert torch.get_num_threads() == max(1, os.cpu_count() // 2)
     llm.engine.shutdown()
     assert torch.get_num_threads() == before
+
+
+def test_a_dead_follower_is_named_at_the_next_step(models):
+    import os
+    import signal
+
+    llm = LLM(models["llama-gqa"], num_blocks=16, tensor_parallel_size=2)
+    (proc,) = llm.engine.runner.followers.procs
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join(10)
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    with pytest.raises(RuntimeError, match="tandem-tp1 is gone"):
+        llm.generate([[5, 6, 7]], params, use_tqdm=False)
+    llm.engine.shutdown()  # does not hang on the dead rank

@@ -90,7 +90,8 @@ def quantize_checkpoint(src, dst, cfg: dict, act_order: bool = False):
         prefix = name.removesuffix(".weight")
         quantized.update({f"{prefix}.{k}": v for k, v in ck.items()})
         # The float twin straight from the rounding, not through Tandem's loader.
-        q, scales, zeros, g = quantize_rtn(tensor, quant.bits, quant.group_size, g_idx)
+        q, scales, zeros, g = quantize_rtn(tensor, quant.bits, quant.group_size, g_idx,
+                                           min_zero=quant.zero_offset)
         g = g.long()
         w = (q - zeros[g]).float() * scales.half().float()[g]
         rounded[name] = w.T.contiguous()

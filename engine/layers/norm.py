@@ -25,4 +25,3 @@ class RMSNorm(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns ``(norm(x + residual), x + residual)``."""
         return self._rms_norm(x, self.weight, self.eps, residual)
-

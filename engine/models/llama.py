@@ -139,7 +139,7 @@ class LlamaForCausalLM(nn.Module):
             "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
             "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
         }
-        loaded: set[str] = set()
+        loaded: dict[str, set[int | None]] = {}  # parameter -> the shards it has
         for name, tensor in weights:
             name = name.removeprefix("model.")
             if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
@@ -156,15 +156,14 @@ class LlamaForCausalLM(nn.Module):
                 target = f"{owner}.{leaf}"
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} matches no parameter of the model")
-            shared_seen = any(key.startswith(target + ":") for key in loaded)
-            self._load_shard(params[target], name, target, shard, tensor, shared_seen)
-            loaded.add(f"{target}:{shard}")
-        required = [n for n, p in params.items() if not getattr(p, "optional", False)]
-        expected = sum(3 if "qkv_proj" in n else 2 if "gate_up" in n else 1 for n in required)
-        if len({key for key in loaded if key.rpartition(":")[0] in required}) != expected:
-            missing = sorted(
-                n for n in required if not any(key.startswith(n + ":") for key in loaded)
-            )
+            self._load_shard(params[target], name, target, shard, tensor, target in loaded)
+            loaded.setdefault(target, set()).add(shard)
+        missing = sorted(
+            n for n, p in params.items()
+            if not getattr(p, "optional", False)
+            and len(loaded.get(n, ())) != (3 if "qkv_proj" in n else 2 if "gate_up" in n else 1)
+        )
+        if missing:
             raise ValueError(f"checkpoint is missing weights, e.g. {missing[:3]}")
 
     @torch.no_grad()

@@ -1,12 +1,15 @@
 """Ranks 1..N-1 of a tensor-parallel engine.
 
 Each is a spawned process that builds its ``ModelShard``, says whether that
-worked, joins the group, then carries out the commands rank 0 broadcasts
-until it broadcasts ``None``: ``("forward", StepBatch)`` (its layers take
+worked, joins the group, then carries out the commands rank 0 sends down its
+pipe until it sends ``None``: ``("forward", StepBatch)`` (its layers take
 part in the all-reduces), ``("read_kv", block_ids, layer)`` (its heads of
 those blocks, gathered to rank 0) and ``("write_kv", block_ids, layer)``
 (its share, scattered from rank 0). Rank 0 alone schedules, samples and
 owns the requests.
+
+Commands travel over a pipe, not a collective: a follower may wait for the
+next one as long as the engine idles, while a collective would time out.
 """
 
 from __future__ import annotations
@@ -67,15 +70,30 @@ class Followers:
         ctx = mp.get_context("spawn")
         self._ready = ctx.Queue()
         self.procs: list[BaseProcess] = []
+        self._commands = []
         for rank in range(1, size):
             rank_config = dataclasses.replace(config, device=rank_device(config.device, rank))
+            receive, send = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=_follow, name=f"tandem-tp{rank}", daemon=True,
                 args=(rank_config, model_cfg, model_dir, max_model_len, num_blocks, rank, size,
-                      self.init_method, self._ready),
+                      self.init_method, self._ready, receive),
             )
             proc.start()
+            receive.close()  # the follower's end
             self.procs.append(proc)
+            self._commands.append(send)
+
+    def send(self, command: tuple | None) -> None:
+        """Hand every follower the next command (``None``: exit). The caller
+        holds the group's lock through the command's collectives."""
+        for conn, proc in zip(self._commands, self.procs):
+            try:
+                conn.send(command)
+            except (BrokenPipeError, ConnectionResetError, EOFError):
+                raise RuntimeError(
+                    f"tensor-parallel {proc.name} is gone (exit code {proc.exitcode})"
+                ) from None
 
     def wait_ready(self) -> None:
         """Return once every follower has built its shard; raise the first
@@ -106,7 +124,7 @@ class Followers:
             pending.discard(name)
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Wait for the followers to exit (after rank 0 broadcast None)."""
+        """Wait for the followers to exit (after ``send(None)``)."""
         for proc in self.procs:
             proc.join(timeout)
         self.kill()
@@ -116,10 +134,12 @@ class Followers:
             if proc.is_alive():
                 proc.terminate()
                 proc.join()
+        for conn in self._commands:
+            conn.close()
 
 
 def _follow(config: EngineConfig, model_cfg: ModelConfig, model_dir: Path, max_model_len: int,
-            num_blocks: int, rank: int, size: int, init_method: str, ready) -> None:
+            num_blocks: int, rank: int, size: int, init_method: str, ready, commands) -> None:
     name = mp.current_process().name
     tp = TensorParallel(rank, size)
     try:
@@ -137,7 +157,7 @@ def _follow(config: EngineConfig, model_cfg: ModelConfig, model_dir: Path, max_m
     ready.put((name, None))
     tp.join(init_method, comm_backend(config.device))
     try:
-        while (command := tp.broadcast()) is not None:
+        while (command := _next(commands)) is not None:
             kind, *args = command
             if kind == "forward":
                 shard.forward(*args)
@@ -152,3 +172,10 @@ def _follow(config: EngineConfig, model_cfg: ModelConfig, model_dir: Path, max_m
                 raise RuntimeError(f"unknown tensor-parallel command {kind!r}")
     finally:
         tp.leave()
+
+
+def _next(commands) -> tuple | None:
+    try:
+        return commands.recv()
+    except EOFError:  # rank 0 is gone
+        return None

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import datetime
 import threading
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,8 +23,7 @@ class TensorParallel:
             raise ValueError(f"tensor-parallel rank {rank} of {size} is not valid")
         self.rank = rank
         self.size = size
-        self._control = None  # a gloo group for host-side messages
-        # Rank 0 holds it from broadcasting a command to the command's last
+        # Rank 0 holds it from sending a command to the command's last
         # collective, so commands from two threads (a step, a KV copy) never
         # interleave their collectives.
         self.lock = threading.Lock()
@@ -43,7 +41,6 @@ class TensorParallel:
         """Form the group: every rank calls this with the same address."""
         dist.init_process_group(backend, init_method=init_method, rank=self.rank,
                                 world_size=self.size, timeout=COLLECTIVE_TIMEOUT)
-        self._control = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
 
     def leave(self) -> None:
         if dist.is_initialized():
@@ -65,9 +62,3 @@ class TensorParallel:
         """Rank 0 hands ``parts[r]`` to rank r, which receives it into ``out``."""
         dist.scatter(out, [p.contiguous() for p in parts] if self.rank == 0 else None, src=0)
         return out
-
-    def broadcast(self, obj: Any = None) -> Any:
-        """Rank 0's ``obj``, on every rank (pickled over the gloo group)."""
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self._control)
-        return box[0]

@@ -9,6 +9,8 @@ Same interface as ``engine.kv_blocks.KVBlocks``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from engine.kv_blocks import KVBlocks
@@ -18,9 +20,15 @@ _HEADS = -2  # [..., block_size, kv_heads, head_dim]
 
 
 class ShardedKVBlocks:
-    def __init__(self, local: KVBlocks, tp: TensorParallel) -> None:
+    """``send`` hands the followers a command (``Followers.send``). Arguments
+    are checked here, before any rank is involved: a follower that failed a
+    command would leave the group waiting."""
+
+    def __init__(self, local: KVBlocks, tp: TensorParallel,
+                 send: Callable[[tuple], None]) -> None:
         self.local = local
         self.tp = tp
+        self.send = send
 
     @property
     def device(self) -> torch.device:
@@ -48,16 +56,31 @@ class ShardedKVBlocks:
         shape[_HEADS] *= self.tp.size
         return torch.empty(shape, dtype=local.dtype, device=local.device)
 
+    def _check(self, block_ids: list[int], layer: int | None) -> list[int]:
+        block_ids = [int(b) for b in block_ids]
+        if any(not 0 <= b < self.num_blocks for b in block_ids):
+            raise ValueError(f"block ids {block_ids} are outside [0, {self.num_blocks})")
+        if layer is not None and not 0 <= layer < len(self.local.kv_caches):
+            raise ValueError(f"layer {layer} is outside [0, {len(self.local.kv_caches)})")
+        return block_ids
+
     def _read(self, block_ids: list[int], layer: int | None) -> torch.Tensor:
+        block_ids = self._check(block_ids, layer)
         with self.tp.lock:
-            self.tp.broadcast(("read_kv", block_ids, layer))
+            self.send(("read_kv", block_ids, layer))
             parts = self.tp.gather(read_local(self.local, block_ids, layer))
         return torch.cat(parts, dim=_HEADS)
 
     def _write(self, block_ids: list[int], layer: int | None, data: torch.Tensor) -> None:
-        parts = list(data.chunk(self.tp.size, dim=_HEADS))
+        block_ids = self._check(block_ids, layer)
+        want = self.empty(None if layer is not None else len(self.local.kv_caches),
+                          len(block_ids)).shape
+        if data.shape != want or data.dtype != self.local.kv_caches[0][0].dtype:
+            raise ValueError(f"KV data {tuple(data.shape)} {data.dtype} does not fit "
+                             f"{tuple(want)} {self.local.kv_caches[0][0].dtype}")
+        parts = list(data.to(self.device).chunk(self.tp.size, dim=_HEADS))
         with self.tp.lock:
-            self.tp.broadcast(("write_kv", block_ids, layer))
+            self.send(("write_kv", block_ids, layer))
             mine = self.tp.scatter(torch.empty_like(parts[0], memory_format=torch.contiguous_format),
                                    parts)
             write_local(self.local, block_ids, layer, mine)

@@ -101,11 +101,12 @@ def to_tandem(quant: QuantConfig, name: str, tensor: torch.Tensor) -> tuple[str,
 
 
 def quantize_rtn(
-    weight: torch.Tensor, bits: int, group_size: int, g_idx: torch.Tensor | None = None
+    weight: torch.Tensor, bits: int, group_size: int, g_idx: torch.Tensor | None = None,
+    min_zero: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Round-to-nearest, asymmetric min/max quantization of an ``nn.Linear``
     weight ``[out, in]``. Returns ``(q [in, out], scales [groups, out],
-    zeros [groups, out] (integers), g_idx [in])``."""
+    zeros [groups, out] (integers >= min_zero), g_idx [in])``."""
     w = weight.T.float()  # [in, out]
     k = w.shape[0]
     group = k if group_size == -1 else group_size
@@ -117,7 +118,11 @@ def quantize_rtn(
     lo = torch.stack([w[g_idx == g].amin(0) for g in range(num_groups)]).clamp(max=0)
     hi = torch.stack([w[g_idx == g].amax(0) for g in range(num_groups)]).clamp(min=0)
     scales = ((hi - lo) / maxq).clamp(min=1e-8)
-    zeros = torch.round(-lo / scales).clamp(0, maxq)
+    zeros = torch.round(-lo / scales)
+    # A zero below min_zero moves up to it; the range then spans fewer steps.
+    low = zeros < min_zero
+    scales = torch.where(low, ((hi - lo) / (maxq - min_zero)).clamp(min=1e-8), scales)
+    zeros = torch.where(low, torch.full_like(zeros, min_zero), zeros).clamp(max=maxq)
     q = torch.clamp(torch.round(w / scales[g_idx]) + zeros[g_idx], 0, maxq).to(torch.int32)
     return q, scales, zeros.to(torch.int32), g_idx
 
@@ -128,11 +133,12 @@ def checkpoint_tensors(
     """An ``nn.Linear`` weight quantized and packed as ``quant.method`` stores
     it (scales in float16, as both tools write them)."""
     bits = quant.bits
-    q, scales, zeros, g_idx = quantize_rtn(weight, bits, quant.group_size, g_idx)
+    # GPTQ's original format stores zero - 1 in ``bits`` bits, so a zero of 0
+    # cannot be written: such checkpoints keep zeros >= 1.
+    q, scales, zeros, g_idx = quantize_rtn(weight, bits, quant.group_size, g_idx,
+                                           min_zero=quant.zero_offset)
     if quant.method == "gptq":
-        # Like AutoGPTQ: zero - 1 wraps to 2**bits - 1 when the zero is 0.
-        stored = (zeros - quant.zero_offset) & ((1 << bits) - 1)
-        return {"qweight": pack_rows(q, bits), "qzeros": pack_cols(stored, bits),
+        return {"qweight": pack_rows(q, bits), "qzeros": pack_cols(zeros - quant.zero_offset, bits),
                 "scales": scales.half(), "g_idx": g_idx}
     order = torch.tensor(AWQ_ORDER)
     interleave = (torch.arange(0, q.shape[1], 8)[:, None] + order[None, :]).reshape(-1)

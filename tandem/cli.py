@@ -1,6 +1,7 @@
 """The ``tandem`` command line.
 
     tandem generate "The capital of France is" --max-tokens 32
+    tandem quantize smollm2-gptq8 --bits 8 --group-size 64
 
 One function per subcommand (``_generate``), registered in ``build_parser``
 with its arguments; a new subcommand is one more ``_add_<name>`` and
@@ -23,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_generate(sub)
+    _add_quantize(sub)
     from tandem import bench, up
 
     up.add_parser(sub)
@@ -85,6 +87,35 @@ def _generate(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
     finally:
         engine.shutdown()
+    return 0
+
+
+# ---- tandem quantize ---------------------------------------------------------------
+
+
+def _add_quantize(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "quantize", help="write a model's linear layers as GPTQ or AWQ integers",
+        description="Quantize a float model into the GPTQ or AWQ file format by "
+                    "round-to-nearest per group (the formats, not their calibration "
+                    "algorithms). The result loads like any other model directory.")
+    p.add_argument("out", help="the directory to create")
+    p.add_argument("--model", default=None,
+                   help="model directory or .gguf file; default: the bundled SmolLM2")
+    p.add_argument("--method", default="gptq", choices=["gptq", "awq"])
+    p.add_argument("--bits", type=int, default=4, help="4, or 8 (GPTQ only)")
+    p.add_argument("--group-size", type=int, default=128,
+                   help="input rows per scale and zero point; -1: one group per row")
+    p.set_defaults(run=_quantize)
+
+
+def _quantize(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from engine.quantization.writer import quantize_model
+
+    out = quantize_model(args.model, Path(args.out), args.method, args.bits, args.group_size)
+    print(f"wrote {out}")
     return 0
 
 

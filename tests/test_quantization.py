@@ -275,3 +275,29 @@ def test_dummy_weights_for_a_quantized_shape(tiny_src, tmp_path):
     (path / "config.json").write_text(json.dumps({**config, "quantization_config": AWQ}))
     out, _ = _greedy(path, load_format="dummy")
     assert all(len(tokens) == 6 for tokens in out)
+
+
+def test_tandem_quantize_writes_a_loadable_directory(tiny_src, tmp_path, capsys):
+    from tandem.cli import main
+
+    out = tmp_path / "awq"
+    assert main(["quantize", str(out), "--model", str(tiny_src), "--method", "awq",
+                 "--group-size", "32"]) == 0
+    assert f"wrote {out}" in capsys.readouterr().out
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "awq"
+    weights = load_file(out / "model.safetensors")
+    assert weights["model.layers.0.mlp.down_proj.qweight"].dtype == torch.int32
+    assert "model.layers.0.mlp.down_proj.weight" not in weights
+    assert weights["model.embed_tokens.weight"].is_floating_point()
+    tokens, _ = _greedy(out)
+    assert all(len(t) == 6 for t in tokens)
+    # A second run would overwrite; 48 does not divide the 64 inputs; AWQ has no 8 bits.
+    for argv, message in [
+        ([str(out)], "already exists"),
+        ([str(tmp_path / "b"), "--group-size", "48"], "not a multiple of group_size 48"),
+        ([str(tmp_path / "c"), "--method", "awq", "--bits", "8"], "8-bit"),
+    ]:
+        assert main(["quantize", *argv, "--model", str(tiny_src)]) == 2
+        assert message in capsys.readouterr().err
+

@@ -11,7 +11,10 @@
 - Cancellation (client disconnect): abort on every worker holding the request.
 
 A request with ``n > 1`` runs as ``n`` sequences ``{id}-{i}`` with seed
-``seed + i``, exactly as the engine forks them offline.
+``seed + i``, exactly as the engine forks them offline. Each sequence then
+has a state record of its own, fenced on its own attempts (one completion's
+retry must not silence the others' writes); the request's record follows
+the latest change of any of them and ends with the request's outcome.
 """
 
 from __future__ import annotations
@@ -109,10 +112,9 @@ class Orchestrator:
                                   attributes={"request_id": request_id, "n": params.n,
                                               "prompt_tokens": len(prompt)})
         ctx = trace.set_span_in_context(span)
-        await self.store.create(request_id, {
-            "prompt_tokens": len(prompt), "params": json.dumps(dataclasses.asdict(params)),
-            "tokens_sent": 0, "n": params.n,
-        })
+        record = {"prompt_tokens": len(prompt), "params": json.dumps(dataclasses.asdict(params)),
+                  "tokens_sent": 0, "n": params.n}
+        await self.store.create(request_id, record)
         seqs = [
             Sequence(
                 request_id if params.n == 1 else f"{request_id}-{i}", i, prompt,
@@ -122,6 +124,10 @@ class Orchestrator:
             )
             for i in range(params.n)
         ]
+        if params.n > 1:
+            for s in seqs:
+                await self.store.create(s.request_id, {**record, "n": 1, "index": s.index,
+                                                       "parent": request_id})
         self._active[request_id] = seqs
         queue: asyncio.Queue = asyncio.Queue()
         tasks = [asyncio.ensure_future(self._pump(s, queue)) for s in seqs]
@@ -173,13 +179,24 @@ class Orchestrator:
             queue.put_nowait(exc)
 
     async def _finish(self, request_id: str, seqs: list[Sequence], state: State) -> None:
+        end = f"{time.time():.3f}"
         try:
-            await self.store.update(request_id, max(s.attempt for s in seqs), {
-                "state": state, "tokens_sent": sum(len(s.sent) for s in seqs),
-                "finished": f"{time.time():.3f}",
+            if len(seqs) > 1:
+                for s in seqs:
+                    await self.store.update(s.request_id, s.attempt, {
+                        "state": state, "tokens_sent": len(s.sent), "finished": end})
+            await self.store.update(request_id, self._record_attempt(seqs[0]), {
+                "state": state, "tokens_sent": sum(len(s.sent) for s in seqs), "finished": end,
             })
         except Exception:
             logger.exception("could not record the end of %s", request_id)
+
+    @staticmethod
+    def _record_attempt(seq: Sequence) -> int:
+        """The attempt a write to the request's record carries: the
+        sequence's own when it is the request (n = 1); 0 when the record
+        summarises several sequences, whose fencing is on their own records."""
+        return seq.attempt if seq.request_id == seq.record_id else 0
 
     # ---- one sequence, with retries --------------------------------------------------
 
@@ -379,9 +396,13 @@ class Orchestrator:
             fields["decode_worker"] = decode.worker_id or decode.address
         if prefill is not None:
             fields["prefill_worker"] = prefill.worker_id or prefill.address
-        # NOTE: with n > 1 every sequence, index 0 included, is "{id}-{i}";
-        # deriving the record's id from the index lost sequence 0's writes.
-        await self.store.update(seq.record_id or seq.request_id, seq.attempt, fields)
+        # NOTE: with n > 1 every sequence, index 0 included, is "{id}-{i}" and
+        # has its own record; the request's record follows along unfenced.
+        if seq.record_id and seq.record_id != seq.request_id:
+            await self.store.update(seq.request_id, seq.attempt, fields)
+            fields = {"state": state}  # a sequence's count is not the request's
+        await self.store.update(seq.record_id or seq.request_id, self._record_attempt(seq),
+                                fields)
 
     async def _abort_everywhere(self, seq: Sequence) -> None:
         """Best effort: every worker that may hold blocks of ``seq`` frees them."""

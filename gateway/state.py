@@ -6,6 +6,10 @@ One record per request::
                              seed), tokens_sent, prefill_worker, decode_worker,
                              created, updated, lease_expiry_ms}
 
+and with ``n > 1`` one more per completion, ``tandem:req:{id}-{i}`` (with
+``parent`` and ``index``), fenced on that completion's own attempts; the
+request's record then stays at attempt 0 and sums ``tokens_sent`` at the end.
+
 Writes carry the attempt number and are fenced: a write from an attempt
 older than the stored one is dropped, so a worker presumed dead cannot
 overwrite what its replacement wrote. Finished records expire after a TTL.

@@ -158,15 +158,21 @@ def test_running_record_and_abort_on_disconnect(gateway, workers, url):
     assert 0 < int(last["tokens_sent"]) < 900
 
 
-def test_n_2_record_counts_both_completions(client, url):
+def test_n_2_records_each_completion_and_the_total(client, url):
     with RedisMonitor(url) as monitor:
         out = client.completions.create(model=SERVED, prompt=PROMPT, max_tokens=4, n=2,
                                         seed=1, extra_body={"ignore_eos": True})
     writes = monitor.writes(out.id)
     assert writes[-1]["state"] == "FINISHED" and writes[-1]["tokens_sent"] == "8"
-    # Both sequences report their progress to the one record.
+    # The request's record follows both completions, unfenced (attempt 0)...
     assert sum(w.get("state") == "PREFILLING" for w in writes) == 2
-    assert sum(w.get("state") == "DECODING" for w in writes) == 2
+    assert all(w.get("attempt", "0") == "0" for w in writes)
+    # ...and each completion has its own record, fenced on its own attempts.
+    for i in range(2):
+        own = monitor.writes(f"{out.id}-{i}")
+        assert monitor.states(f"{out.id}-{i}") == ["QUEUED", "PREFILLING", "DECODING", "FINISHED"]
+        assert own[0]["parent"] == out.id and own[0]["index"] == str(i)
+        assert own[-1]["tokens_sent"] == "4" and own[-1]["attempt"] == "1"
 
 
 def test_workers_register_with_a_heartbeat(workers, url):
@@ -235,6 +241,33 @@ async def test_fencing_drops_older_attempts(store):
     # Unknown records are not created by an update.
     assert not await store.update(f"{rid}-nope", 1, {"state": State.DECODING})
     assert await store.get(f"{rid}-nope") is None
+
+
+async def test_one_completions_retry_does_not_silence_the_other(store):
+    """n = 2: completion 0 retried (attempt 2), then completion 1, still on
+    attempt 1, moves on. Its write must land."""
+    from engine.sampling_params import SamplingParams
+    from gateway.orchestrator import Orchestrator, Sequence
+
+    rid = f"n2-{random.randrange(1 << 30)}"
+    orch = Orchestrator(pool=None, store=store)
+    seqs = [Sequence(f"{rid}-{i}", i, [1, 2, 3], SamplingParams(), record_id=rid)
+            for i in range(2)]
+    await store.create(rid, {"n": 2})
+    for s in seqs:
+        await store.create(s.request_id, {"n": 1})
+    seqs[0].attempt, seqs[1].attempt = 2, 1
+    await orch._state(seqs[0], State.DECODING)
+    await orch._state(seqs[1], State.DECODING)
+    seqs[1].sent = [7, 8]
+    await orch._state(seqs[1], State.DECODING)  # progress of the slower completion
+    assert (await store.get(f"{rid}-1"))["tokens_sent"] == "2"
+    assert (await store.get(f"{rid}-0"))["attempt"] == "2"
+    seqs[0].sent = [5]
+    await orch._finish(rid, seqs, State.FINISHED)
+    summary = await store.get(rid)
+    assert (summary["state"], summary["tokens_sent"]) == ("FINISHED", "3")
+    assert [(await store.get(s.request_id))["state"] for s in seqs] == ["FINISHED"] * 2
 
 
 async def test_terminal_state_expires(store):

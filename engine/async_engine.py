@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from engine.errors import EngineUnusable
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -37,6 +38,9 @@ class AsyncEngine:
         self._closed = False
         # Called on the event loop after each step with the step's outputs.
         self.step_hooks: list[Callable[[list[RequestOutput]], None]] = []
+        # Set when a step failed in a way no later step can recover from
+        # (EngineUnusable): a server watching it should drain and exit.
+        self.unusable = asyncio.Event()
 
     # ---- public API ------------------------------------------------------------
 
@@ -175,6 +179,8 @@ class AsyncEngine:
                     queue = self._streams.get(request_id)
                     if queue is not None:
                         queue.put_nowait(RuntimeError(f"engine step failed: {failed}"))
+                if isinstance(failed, EngineUnusable):
+                    self.unusable.set()
                 continue
             self._dispatch(outputs)
             if not ops and not outputs and not self.engine.scheduler.num_running:

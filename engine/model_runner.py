@@ -13,6 +13,7 @@ import torch
 from engine.batch import flatten
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import DecodeGraphs
+from engine.errors import EngineUnusable
 from engine.kv_blocks import KVBlockView
 from engine.model_shard import ModelShard
 from engine.parallel import TensorParallel
@@ -116,9 +117,9 @@ class ModelRunner:
         if followers is None:
             return
         try:
-            with self.tp.lock:
+            with self.tp.command():
                 followers.send(None)
-        except RuntimeError as exc:  # one is gone already: stop the others below
+        except EngineUnusable as exc:  # one is gone already: stop the others below
             logger.warning("tensor-parallel shutdown: %s", exc)
         finally:
             followers.stop()
@@ -132,7 +133,7 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         batch, rows = flatten(out, self.block_size)
         if self.followers is not None:
-            with self.tp.lock:  # the followers run the same forward
+            with self.tp.command():  # the followers run the same forward
                 self.followers.send(("forward", batch))
                 hidden = self.shard.forward(batch)
         else:

@@ -50,15 +50,22 @@ class GrpcServer:
 
 
 async def serve_until_signal(
-    start: Callable[[], Awaitable[None]], drain: Callable[[], Awaitable[None]]
-) -> None:
-    """Start, then on SIGTERM/SIGINT run ``drain`` (stop taking work, finish
-    what is in flight within the grace period) and return."""
+    start: Callable[[], Awaitable[None]], drain: Callable[[], Awaitable[None]],
+    broken: asyncio.Event | None = None,
+) -> bool:
+    """Start, then on SIGTERM/SIGINT, or once ``broken`` is set, run
+    ``drain`` (stop taking work, finish what is in flight within the grace
+    period) and return whether it was ``broken`` that ended the service."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await start()
-    await stop.wait()
-    logger.info("signal received: draining")
+    waits = [asyncio.ensure_future(e.wait()) for e in (stop, broken) if e is not None]
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for w in waits:
+        w.cancel()
+    failed = broken is not None and broken.is_set() and not stop.is_set()
+    logger.info("%s: draining", "the engine is unusable" if failed else "signal received")
     await drain()
+    return failed

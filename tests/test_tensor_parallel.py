@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from tiny_models import AWQ, GPTQ, build_tiny_model, quantize_checkpoint
-from worker_fixtures import Gateway, params, start_worker
+from worker_fixtures import Gateway, params, rpc_error, start_worker
 
 from tandem import LLM, AsyncEngine, SamplingParams
 from tandem.cluster import LocalCluster
@@ -152,3 +152,28 @@ def test_a_dead_follower_is_named_at_the_next_step(models):
     with pytest.raises(RuntimeError, match="tandem-tp1 is gone"):
         llm.generate([[5, 6, 7]], params, use_tqdm=False)
     llm.engine.shutdown()  # does not hang on the dead rank
+
+
+async def test_a_worker_that_loses_a_rank_drains_and_exits(models):
+    """The engine cannot step without its follower: the worker fails what
+    ran, stops taking work and exits non-zero, for its supervisor to restart."""
+    import os
+    import signal
+    import subprocess
+
+    with LocalCluster() as cluster:
+        worker = start_worker(cluster, "both", models["llama-gqa"], 32, "-tp", "2")
+        # The follower rank: the worker's child started by multiprocessing's spawn.
+        children = subprocess.run(["pgrep", "-P", str(worker.proc.popen.pid)],
+                                  capture_output=True, text=True).stdout.split()
+        followers = [c for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+        assert len(followers) == 1, children
+        os.kill(int(followers[0]), signal.SIGKILL)
+        async with Gateway() as gw:
+            err = await rpc_error(gw.colocated(worker, "r-lost", [5, 6, 7],
+                                               params(temperature=0, max_tokens=4)))
+        # Named at the next command, or the collective it was in failed.
+        assert "tandem-tp1 is gone" in err.details() or \
+            "tensor-parallel group failed" in err.details()
+        assert worker.proc.popen.wait(30) == 1
+

@@ -89,4 +89,6 @@ async def serve(make_worker: WorkerFactory, args: argparse.Namespace) -> None:
         if metrics_server is not None:
             metrics_server.shutdown()
 
-    await serve_until_signal(start, drain)
+    if await serve_until_signal(start, drain, broken=worker.aengine.unusable):
+        # A supervisor (docker-compose, Kubernetes) restarts the worker.
+        raise SystemExit(1)

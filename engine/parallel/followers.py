@@ -25,6 +25,7 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 from engine.config import EngineConfig, ModelConfig
+from engine.errors import EngineUnusable
 from engine.model_shard import ModelShard
 from engine.parallel.group import TensorParallel
 from engine.parallel.sharded_kv import read_local, write_local
@@ -91,7 +92,7 @@ class Followers:
             try:
                 conn.send(command)
             except (BrokenPipeError, ConnectionResetError, EOFError):
-                raise RuntimeError(
+                raise EngineUnusable(
                     f"tensor-parallel {proc.name} is gone (exit code {proc.exitcode})"
                 ) from None
 

@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import datetime
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+
+from engine.errors import EngineUnusable
 
 # How long a rank waits in a collective for the others: long enough for a
 # slow first step, short enough that a dead rank surfaces as an error.
@@ -27,6 +31,20 @@ class TensorParallel:
         # collective, so commands from two threads (a step, a KV copy) never
         # interleave their collectives.
         self.lock = threading.Lock()
+
+    @contextmanager
+    def command(self) -> Iterator[None]:
+        """Rank 0's side of one command to the followers: holds the lock, and
+        turns any failure into EngineUnusable, since a command that broke
+        half way (a dead rank, an error between two collectives) leaves the
+        ranks out of step for good."""
+        with self.lock:
+            try:
+                yield
+            except EngineUnusable:
+                raise
+            except Exception as exc:
+                raise EngineUnusable(f"tensor-parallel group failed: {exc}") from exc
 
     def split(self, total: int, what: str) -> int:
         """This rank's share of ``total`` (heads, columns); ValueError unless

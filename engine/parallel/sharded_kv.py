@@ -66,7 +66,7 @@ class ShardedKVBlocks:
 
     def _read(self, block_ids: list[int], layer: int | None) -> torch.Tensor:
         block_ids = self._check(block_ids, layer)
-        with self.tp.lock:
+        with self.tp.command():
             self.send(("read_kv", block_ids, layer))
             parts = self.tp.gather(read_local(self.local, block_ids, layer))
         return torch.cat(parts, dim=_HEADS)
@@ -79,7 +79,7 @@ class ShardedKVBlocks:
             raise ValueError(f"KV data {tuple(data.shape)} {data.dtype} does not fit "
                              f"{tuple(want)} {self.local.kv_caches[0][0].dtype}")
         parts = list(data.to(self.device).chunk(self.tp.size, dim=_HEADS))
-        with self.tp.lock:
+        with self.tp.command():
             self.send(("write_kv", block_ids, layer))
             mine = self.tp.scatter(torch.empty_like(parts[0], memory_format=torch.contiguous_format),
                                    parts)

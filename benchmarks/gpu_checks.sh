@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Every check that needs a GPU, in one run, for a borrowed GPU machine.
+#
+#   OUT=gpu-results bash benchmarks/gpu_checks.sh
+#
+# Run from the repository root with a python3 that holds a CUDA build of
+# PyTorch and Triton (nothing is installed or downloaded). Writes the GPU
+# tests' log, the kernel benchmark's JSON and its printed tables under $OUT;
+# about 10 minutes on an H100/H200. The tables go into docs/benchmarks.md.
+set -u
+out=${OUT:-gpu-results}
+mkdir -p "$out"
+export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1 PYTHONPATH=.
+python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name())' | tee "$out/device.txt"
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv >> "$out/device.txt" 2>&1
+# The compiled kernels against their references, CUDA graphs against eager,
+# the quantized matmul, and (with two GPUs) tensor parallelism over NCCL.
+timeout 240 python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -x \
+    2>&1 | tee "$out/pytest_gpu.log"
+timeout 480 python3 benchmarks/kernels_gpu.py --out "$out/kernels_gpu.json" \
+    2>&1 | tee "$out/kernels_gpu.log"

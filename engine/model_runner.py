@@ -27,6 +27,18 @@ logger = logging.getLogger("engine")
 
 
 @dataclass
+class PromptRows:
+    """Rows ``[row_lo, row_hi)`` of a step score prompt tokens ``first + 1``
+    .. ``last`` of ``request`` (prompt_logprobs)."""
+
+    request: Request
+    first: int
+    last: int
+    row_lo: int
+    row_hi: int
+
+
+@dataclass
 class RunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
@@ -132,33 +144,41 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         batch, rows = flatten(out, self.block_size)
+        sampling = [s.request for s in out.scheduled if s.sample]
+        prompts = [p for p in (self._plan_prompt_logprobs(*r) for r in rows.prompt_rows) if p]
+        # Every row that needs logits, in one call: the sampled ones first.
+        logit_rows = [rows.logits_index[r.request_id] for r in sampling]
+        for p in prompts:
+            logit_rows.extend(range(p.row_lo, p.row_hi))
         if self.followers is not None:
-            with self.tp.command():  # the followers run the same forward
-                self.followers.send(("forward", batch))
+            with self.tp.command():  # the followers run the same forward and logits
+                self.followers.send(("forward", batch, logit_rows))
                 hidden = self.shard.forward(batch)
+                logits = self.model.compute_logits(hidden[logit_rows]) if logit_rows else None
         else:
             input_ids, positions, meta = batch.to_device(self.device)
             if self.decode_graphs is not None and self.decode_graphs.fits(meta):
                 hidden = self.decode_graphs.run(input_ids, positions, meta)
             else:
                 hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            logits = self.model.compute_logits(hidden[logit_rows]) if logit_rows else None
 
         result = RunnerOutput()
-        sampling = [s.request for s in out.scheduled if s.sample]
         if sampling:
-            logits = self.model.compute_logits(
-                hidden[[rows.logits_index[r.request_id] for r in sampling]])
             batch_params = SamplingBatch.prepare(
                 sampling, [self._generator(r) for r in sampling],
                 self.model_cfg.vocab_size, self.device,
             )
-            sampled = sample(logits, batch_params)
+            sampled = sample(logits[: len(sampling)], batch_params)
             for request, token, lp in zip(sampling, sampled.token_ids, sampled.logprobs):
                 result.sampled[request.request_id] = token
                 if lp is not None:
                     result.logprobs[request.request_id] = lp
-        for request, start, begin, end in rows.prompt_rows:
-            self._prompt_logprobs(request, start, hidden[begin:end])
+        offset = len(sampling)
+        for p in prompts:
+            n = p.row_hi - p.row_lo
+            self._fill_prompt_logprobs(p, logits[offset : offset + n])
+            offset += n
         return result
 
     def _generator(self, request: Request) -> torch.Generator | None:
@@ -179,17 +199,23 @@ class ModelRunner:
             self.generators[request.request_id] = gen
         return gen
 
-    def _prompt_logprobs(self, request: Request, start: int, hidden: torch.Tensor) -> None:
-        """Logprobs of prompt tokens start+1 .. predicted by positions start.. of this chunk."""
-        last = min(start + hidden.shape[0], request.num_prompt_tokens - 1)
+    def _plan_prompt_logprobs(self, request: Request, start: int, begin: int,
+                              end: int) -> PromptRows | None:
+        """Which rows of this step's chunk ``[begin, end)`` (positions
+        ``start``..) score prompt tokens that have no logprob yet."""
+        last = min(start + end - begin, request.num_prompt_tokens - 1)
         if not request.prompt_logprobs:
-            request.prompt_logprobs.append(None)
+            request.prompt_logprobs.append(None)  # the first token has none
         if len(request.prompt_logprobs) > last:  # recomputing after a preemption
-            return
+            return None
         first = len(request.prompt_logprobs) - 1  # first position still missing
-        rows = hidden[first - start : last - start]
-        logprobs = torch.log_softmax(self.model.compute_logits(rows), dim=-1)
-        targets = torch.tensor(request.token_ids[first + 1 : last + 1], device=self.device)
+        return PromptRows(request, first, last, begin + first - start, begin + last - start)
+
+    def _fill_prompt_logprobs(self, p: PromptRows, logits: torch.Tensor) -> None:
+        """Logprobs of prompt tokens first+1 .. last, predicted by positions first.. ."""
+        request = p.request
+        logprobs = torch.log_softmax(logits, dim=-1)
+        targets = torch.tensor(request.token_ids[p.first + 1 : p.last + 1], device=self.device)
         chosen = logprobs.gather(1, targets[:, None]).squeeze(1).tolist()
         n = request.params.prompt_logprobs or 0
         top_vals, top_ids = logprobs.topk(max(n, 1), dim=-1)

@@ -48,6 +48,30 @@ def test_two_ranks_give_the_tokens_of_one(models, name):
     assert _run(models[name], 2, greedy) == _run(models[name], 1, greedy)
 
 
+def test_vocabulary_is_split_and_prompt_logprobs_match(models):
+    """Each rank holds half the embedding table and LM head; the logits
+    rank 0 gathers give the same prompt logprobs as one rank's."""
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=2,
+                            logprobs=2)
+    outs = {}
+    for tp in (1, 2):
+        llm = LLM(models["llama-gqa"], num_blocks=32, block_size=4, max_num_batched_tokens=8,
+                  tensor_parallel_size=tp)
+        try:
+            model = llm.engine.runner.model
+            assert model.embed_tokens.weight.shape[0] == 512 // tp
+            assert model.lm_head.weight.shape[0] == 512 // tp
+            outs[tp] = llm.generate(_prompts()[:3], params, use_tqdm=False)
+        finally:
+            llm.engine.shutdown()
+    for one, two in zip(outs[1], outs[2]):
+        assert one.outputs[0].token_ids == two.outputs[0].token_ids
+        assert len(one.prompt_logprobs) == len(one.prompt_token_ids)
+        for a, b in zip(one.prompt_logprobs[1:], two.prompt_logprobs[1:]):
+            assert a.keys() == b.keys()
+            assert all(abs(a[k] - b[k]) < 1e-4 for k in a)
+
+
 def test_seeded_sampling_is_the_same_on_two_ranks(models):
     seeded = SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=6, ignore_eos=True)
     assert _run(models["llama-gqa"], 2, seeded) == _run(models["llama-gqa"], 1, seeded)
@@ -84,6 +108,12 @@ def test_async_engine_shutdown_stops_the_followers(models):
 def test_unsplittable_sizes_are_refused(models, kwargs, message):
     with pytest.raises(ValueError, match=message):
         LLM(models["llama-gqa"], num_blocks=16, **kwargs)
+
+
+def test_a_vocabulary_the_ranks_cannot_share_is_refused(tmp_path):
+    model, _ = build_tiny_model("llama-gqa", tmp_path, vocab_size=511)
+    with pytest.raises(ValueError, match=r"must divide vocab_size \(511\)"):
+        LLM(str(model), num_blocks=16, tensor_parallel_size=2)
 
 
 # ---- workers: KV moves as whole-model blocks, whatever either side's split ----

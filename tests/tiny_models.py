@@ -32,8 +32,9 @@ VARIANTS = {
 }
 
 
-def build_tiny_model(name: str, root: Path):
-    """Save a tiny random model under root/name; return (dir, hf_model)."""
+def build_tiny_model(name: str, root: Path, **overrides):
+    """Save a tiny random model under root/name; return (dir, hf_model).
+    ``overrides`` change its config (e.g. ``vocab_size``)."""
     import transformers
 
     arch, extra = VARIANTS[name]
@@ -42,7 +43,7 @@ def build_tiny_model(name: str, root: Path):
     model_cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
                  "mistral": transformers.MistralForCausalLM}[arch]
     torch.manual_seed(1234)
-    config = cfg_cls(**{**TINY, **extra})
+    config = cfg_cls(**{**TINY, **extra, **overrides})
     model = model_cls(config).eval()
     path = root / name
     model.save_pretrained(path, safe_serialization=True)

@@ -14,6 +14,7 @@ from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig
+from engine.layers.embedding import VocabParallelEmbedding, vocab_logits
 from engine.layers.linear import linear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
@@ -92,8 +93,8 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """The decoder on one tensor-parallel rank. Embeddings, norms and the LM
-    head are whole on every rank (only rank 0 computes logits)."""
+    """The decoder on one tensor-parallel rank. The embeddings and the LM
+    head are split by vocabulary rows; norms are whole on every rank."""
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_position: int,
                  tp: TensorParallel):
@@ -102,13 +103,14 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp
         rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling,
                                  fused=backend.fused_layers)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # The layers first: their head counts are the likelier misfit to report.
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, backend, rotary, tp) for _ in range(cfg.num_layers)
         )
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend.fused_layers)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
-            cfg.hidden_size, cfg.vocab_size, bias=False
+        self.lm_head = None if cfg.tie_word_embeddings else linear(
+            cfg.hidden_size, cfg.vocab_size, False, None, False, tp, "column"
         )
 
     def forward(
@@ -123,9 +125,12 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(x, residual, positions, kv_cache, meta)
         return self.norm(x, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Float32 logits of ``hidden``'s rows on rank 0; every rank calls it
+        with the same rows (with tensor parallelism each scores its slice of
+        the vocabulary), the others get None."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return vocab_logits(hidden, weight, self.tp)
 
     # ---- weights ---------------------------------------------------------------
 

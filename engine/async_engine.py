@@ -38,9 +38,19 @@ class AsyncEngine:
         self._closed = False
         # Called on the event loop after each step with the step's outputs.
         self.step_hooks: list[Callable[[list[RequestOutput]], None]] = []
-        # Set when a step failed in a way no later step can recover from
-        # (EngineUnusable): a server watching it should drain and exit.
+        # Set once the engine cannot run another step (EngineUnusable: a
+        # step or a KV copy broke the tensor-parallel group): a server
+        # watching it should drain and exit.
         self.unusable = asyncio.Event()
+        self._event_loop: asyncio.AbstractEventLoop | None = None
+        engine.on_unusable(self._mark_unusable)
+
+    def _mark_unusable(self) -> None:
+        """Called from whichever thread broke the engine."""
+        if self._event_loop is None:
+            self.unusable.set()
+        else:
+            self._event_loop.call_soon_threadsafe(self.unusable.set)
 
     # ---- public API ------------------------------------------------------------
 
@@ -150,6 +160,7 @@ class AsyncEngine:
     # ---- the loop ------------------------------------------------------------------
 
     def _ensure_loop(self) -> None:
+        self._event_loop = asyncio.get_running_loop()
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._loop())
 
@@ -180,7 +191,7 @@ class AsyncEngine:
                     if queue is not None:
                         queue.put_nowait(RuntimeError(f"engine step failed: {failed}"))
                 if isinstance(failed, EngineUnusable):
-                    self.unusable.set()
+                    self.unusable.set()  # also done by the watcher; harmless twice
                 continue
             self._dispatch(outputs)
             if not ops and not outputs and not self.engine.scheduler.num_running:

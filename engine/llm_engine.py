@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from engine.config import EngineConfig, ModelConfig
 from engine.kv_cache_manager import KVCacheManager
@@ -152,6 +152,11 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the tensor-parallel follower processes, if any. Idempotent."""
         self.runner.shutdown()
+
+    def on_unusable(self, callback: Callable[[], None]) -> None:
+        """``callback()`` (from any thread) once the engine can no longer
+        step: its tensor-parallel group broke (EngineUnusable)."""
+        self.runner.tp.on_broken.append(callback)
 
     # ---- config ------------------------------------------------------------------
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -134,15 +135,26 @@ class ModelRunner:
         except EngineUnusable as exc:  # one is gone already: stop the others below
             logger.warning("tensor-parallel shutdown: %s", exc)
         finally:
-            followers.stop()
+            if self.tp.broken is not None:
+                followers.kill()  # they may wait in a collective that never completes
+            else:
+                followers.stop()
             self.tp.leave()
             torch.set_num_threads(self._threads)
 
     def remove_request(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        # NOTE: the current CUDA device is per thread, and steps run on the
+        # engine's own thread: Triton launches and graphs use the current one.
+        with self._on_device(), torch.inference_mode():
+            return self._execute(out)
+
+    def _on_device(self):
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext()
+
+    def _execute(self, out: SchedulerOutput) -> RunnerOutput:
         batch, rows = flatten(out, self.block_size)
         sampling = [s.request for s in out.scheduled if s.sample]
         prompts = [p for p in (self._plan_prompt_logprobs(*r) for r in rows.prompt_rows) if p]

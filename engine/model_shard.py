@@ -48,9 +48,10 @@ class ModelShard:
 
     @torch.no_grad()
     def _init_dummy_weights(self) -> None:
-        # One seed on every rank: weights they all hold whole (embeddings,
-        # norms, the LM head) come out the same.
-        gen = torch.Generator(device=self.device).manual_seed(self.config.seed)
+        # One seed per rank: every random weight is split across the ranks
+        # (the norms, which all hold whole, are filled with ones), so each
+        # rank's slice differs as slices of one model would.
+        gen = torch.Generator(device=self.device).manual_seed(self.config.seed + self.tp.rank)
         for name, param in self.model.named_parameters():
             if not param.is_floating_point():  # quantized layers
                 if name.endswith("qweight"):

@@ -90,6 +90,7 @@ class Sequence:
     record_id: str = ""  # the request's state record: its id without the -{index}
     trace_ctx: otel_context.Context | None = None  # parent of this sequence's spans
     aborted: bool = False  # by an Abort call: no retry, no migration
+    outcome: State | None = None  # how this sequence itself ended
 
 
 class Orchestrator:
@@ -125,9 +126,11 @@ class Orchestrator:
             for i in range(params.n)
         ]
         if params.n > 1:
-            for s in seqs:
-                await self.store.create(s.request_id, {**record, "n": 1, "index": s.index,
-                                                       "parent": request_id})
+            await asyncio.gather(*(
+                self.store.create(s.request_id, {**record, "n": 1, "index": s.index,
+                                                 "parent": request_id})
+                for s in seqs
+            ))
         self._active[request_id] = seqs
         queue: asyncio.Queue = asyncio.Queue()
         tasks = [asyncio.ensure_future(self._pump(s, queue)) for s in seqs]
@@ -170,26 +173,29 @@ class Orchestrator:
         try:
             async for chunk in self._run(seq):
                 queue.put_nowait(chunk)
+            seq.outcome = State.FINISHED
             queue.put_nowait(None)
         except asyncio.CancelledError:
+            seq.outcome = State.ABORTED
             await asyncio.shield(self._abort_everywhere(seq))
             raise
         except BaseException as exc:
+            seq.outcome = State.FAILED
             await asyncio.shield(self._abort_everywhere(seq))
             queue.put_nowait(exc)
 
     async def _finish(self, request_id: str, seqs: list[Sequence], state: State) -> None:
         end = f"{time.time():.3f}"
-        try:
-            if len(seqs) > 1:
-                for s in seqs:
-                    await self.store.update(s.request_id, s.attempt, {
-                        "state": state, "tokens_sent": len(s.sent), "finished": end})
-            await self.store.update(request_id, self._record_attempt(seqs[0]), {
-                "state": state, "tokens_sent": sum(len(s.sent) for s in seqs), "finished": end,
-            })
-        except Exception:
-            logger.exception("could not record the end of %s", request_id)
+        writes = [(request_id, self._record_attempt(seqs[0]), state,
+                   sum(len(s.sent) for s in seqs))]
+        if len(seqs) > 1:  # each completion ends as it ended itself
+            writes += [(s.request_id, s.attempt, s.outcome or state, len(s.sent)) for s in seqs]
+        for record_id, attempt, final, sent in writes:
+            try:
+                await self.store.update(record_id, attempt, {
+                    "state": final, "tokens_sent": sent, "finished": end})
+            except Exception:
+                logger.exception("could not record the end of %s", record_id)
 
     @staticmethod
     def _record_attempt(seq: Sequence) -> int:

@@ -97,6 +97,10 @@ class KVReceiver:
                         f"KV chunk of {len(chunk.data)} bytes, expected "
                         f"{like.numel() * like.element_size()}"
                     )
+                # NOTE: on the event loop on purpose: an abort marks the
+                # request on the loop, so no write is still running when its
+                # blocks are freed. With tensor parallelism it waits for the
+                # running step (the group's lock).
                 self.io.write_layer(chunk.layer, ids, from_bytes(chunk.data, like))
                 r.bytes_received += len(chunk.data)
             if r is None:

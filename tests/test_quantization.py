@@ -300,4 +300,7 @@ def test_tandem_quantize_writes_a_loadable_directory(tiny_src, tmp_path, capsys)
     ]:
         assert main(["quantize", *argv, "--model", str(tiny_src)]) == 2
         assert message in capsys.readouterr().err
+    # Quantizing a quantized model would keep its integers under a new config.
+    assert main(["quantize", str(tmp_path / "d"), "--model", str(out)]) == 2
+    assert "quantized already" in capsys.readouterr().err
 

@@ -67,6 +67,7 @@ def test_vocabulary_is_split_and_prompt_logprobs_match(models):
     for one, two in zip(outs[1], outs[2]):
         assert one.outputs[0].token_ids == two.outputs[0].token_ids
         assert len(one.prompt_logprobs) == len(one.prompt_token_ids)
+        assert len(two.prompt_logprobs) == len(two.prompt_token_ids)
         for a, b in zip(one.prompt_logprobs[1:], two.prompt_logprobs[1:]):
             assert a.keys() == b.keys()
             assert all(abs(a[k] - b[k]) < 1e-4 for k in a)
@@ -207,3 +208,37 @@ async def test_a_worker_that_loses_a_rank_drains_and_exits(models):
             "tensor-parallel group failed" in err.details()
         assert worker.proc.popen.wait(30) == 1
 
+
+
+def test_a_failed_command_breaks_the_group_for_good(models):
+    """Rank 0 fails in the middle of a step while its follower lives on (say,
+    out of memory): the ranks are out of step, so nothing is sent again,
+    watchers hear of it once, and shutdown does not wait on the follower."""
+    import time
+
+    from engine.errors import EngineUnusable
+
+    llm = LLM(models["llama-gqa"], num_blocks=16, tensor_parallel_size=2)
+    runner = llm.engine.runner
+    (proc,) = runner.followers.procs
+    heard = []
+    llm.engine.on_unusable(lambda: heard.append(True))
+    real_forward = runner.shard.forward
+
+    def failing_forward(batch, logit_rows=None):
+        raise RuntimeError("out of memory (simulated)")
+
+    runner.shard.forward = failing_forward
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    with pytest.raises(EngineUnusable, match="simulated"):
+        llm.generate([[5, 6, 7]], params, use_tqdm=False)
+    runner.shard.forward = real_forward
+    start = time.monotonic()
+    with pytest.raises(EngineUnusable, match="failed earlier"):
+        llm.generate([[8, 9]], params, use_tqdm=False)
+    with pytest.raises(EngineUnusable, match="failed earlier"):
+        runner.kv_blocks.read([0])
+    assert time.monotonic() - start < 5 and heard == [True]
+    assert proc.is_alive()  # waiting in an all-reduce rank 0 will never join
+    llm.engine.shutdown()
+    assert time.monotonic() - start < 15 and not proc.is_alive()

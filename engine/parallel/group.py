@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import datetime
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -31,6 +31,10 @@ class TensorParallel:
         # collective, so commands from two threads (a step, a KV copy) never
         # interleave their collectives.
         self.lock = threading.Lock()
+        # The first failure of a command; from then on none is sent.
+        self.broken: Exception | None = None
+        # Called (from whichever thread failed) when the group breaks.
+        self.on_broken: list[Callable[[], None]] = []
 
     @contextmanager
     def command(self) -> Iterator[None]:
@@ -39,11 +43,16 @@ class TensorParallel:
         half way (a dead rank, an error between two collectives) leaves the
         ranks out of step for good."""
         with self.lock:
+            if self.broken is not None:  # never send into a group out of step
+                raise EngineUnusable(f"tensor-parallel group failed earlier: {self.broken}")
             try:
                 yield
-            except EngineUnusable:
-                raise
             except Exception as exc:
+                self.broken = exc
+                for watcher in self.on_broken:
+                    watcher()
+                if isinstance(exc, EngineUnusable):
+                    raise
                 raise EngineUnusable(f"tensor-parallel group failed: {exc}") from exc
 
     def split(self, total: int, what: str) -> int:

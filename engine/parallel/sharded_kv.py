@@ -10,6 +10,7 @@ Same interface as ``engine.kv_blocks.KVBlocks``.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 
@@ -51,10 +52,18 @@ class ShardedKVBlocks:
         self._write(block_ids, layer, data)
 
     def empty(self, num_layers: int | None, num_blocks: int) -> torch.Tensor:
-        local = self.local.empty(num_layers, num_blocks)
-        shape = list(local.shape)
-        shape[_HEADS] *= self.tp.size
-        return torch.empty(shape, dtype=local.dtype, device=local.device)
+        k = self.local.kv_caches[0][0]
+        return torch.empty(self._shape(num_layers, num_blocks), dtype=k.dtype, device=k.device)
+
+    def _shape(self, num_layers: int | None, num_blocks: int) -> tuple[int, ...]:
+        """Every rank's heads of ``num_blocks`` blocks (of every layer, or of one)."""
+        _, block_size, heads, head_dim = self.local.kv_caches[0][0].shape
+        shape = (2, num_blocks, block_size, heads * self.tp.size, head_dim)
+        return shape if num_layers is None else (num_layers, *shape)
+
+    def _on_device(self):
+        # The current CUDA device is per thread; KV copies run on executor threads.
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext()
 
     def _check(self, block_ids: list[int], layer: int | None) -> list[int]:
         block_ids = [int(b) for b in block_ids]
@@ -66,20 +75,20 @@ class ShardedKVBlocks:
 
     def _read(self, block_ids: list[int], layer: int | None) -> torch.Tensor:
         block_ids = self._check(block_ids, layer)
-        with self.tp.command():
+        with self._on_device(), self.tp.command():
             self.send(("read_kv", block_ids, layer))
             parts = self.tp.gather(read_local(self.local, block_ids, layer))
         return torch.cat(parts, dim=_HEADS)
 
     def _write(self, block_ids: list[int], layer: int | None, data: torch.Tensor) -> None:
         block_ids = self._check(block_ids, layer)
-        want = self.empty(None if layer is not None else len(self.local.kv_caches),
-                          len(block_ids)).shape
-        if data.shape != want or data.dtype != self.local.kv_caches[0][0].dtype:
+        want = self._shape(None if layer is not None else len(self.local.kv_caches),
+                           len(block_ids))
+        if tuple(data.shape) != want or data.dtype != self.local.kv_caches[0][0].dtype:
             raise ValueError(f"KV data {tuple(data.shape)} {data.dtype} does not fit "
                              f"{tuple(want)} {self.local.kv_caches[0][0].dtype}")
         parts = list(data.to(self.device).chunk(self.tp.size, dim=_HEADS))
-        with self.tp.command():
+        with self._on_device(), self.tp.command():
             self.send(("write_kv", block_ids, layer))
             mine = self.tp.scatter(torch.empty_like(parts[0], memory_format=torch.contiguous_format),
                                    parts)

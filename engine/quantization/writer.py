@@ -46,6 +46,9 @@ def quantize_model(model: str | None, out: Path, method: str, bits: int, group_s
     out = Path(out)
     if out.exists():
         raise ValueError(f"{out} already exists; choose a new directory")
+    config = json.loads((src / "config.json").read_text())
+    if config.get("quantization_config"):
+        raise ValueError(f"{src} is quantized already; start from a float model")
     cfg = quant_config_dict(method, bits, group_size)
     quant = QuantConfig.from_dict(cfg)
     tensors: dict[str, torch.Tensor] = {}
@@ -58,7 +61,6 @@ def quantize_model(model: str | None, out: Path, method: str, bits: int, group_s
         else:
             tensors[name] = tensor.contiguous()
     out.mkdir(parents=True)
-    config = json.loads((src / "config.json").read_text())
     (out / "config.json").write_text(json.dumps({**config, "quantization_config": cfg}, indent=2))
     for side in _SIDE_FILES:
         if (src / side).is_file():

@@ -127,12 +127,18 @@ def build_app(service: GatewayService) -> FastAPI:
     async def metrics():
         return Response(service.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    def model_card() -> dict:
+        return {"id": service.model_name, "object": "model", "created": service.created,
+                "owned_by": "tandem", "max_model_len": service.max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{
-            "id": service.model_name, "object": "model", "created": service.created,
-            "owned_by": "tandem", "max_model_len": service.max_model_len,
-        }]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):
+        service.check_model(model)  # ModelNotFound: the OpenAI 404 error object
+        return model_card()
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

@@ -5,6 +5,7 @@ one smoke test on the real SmolLM2."""
 
 from __future__ import annotations
 
+import openai
 import pytest
 from gateway_fixtures import (
     SERVED,
@@ -43,6 +44,10 @@ def test_models(client, gateway):
     models = client.models.list()
     assert [m.id for m in models.data] == [SERVED]
     assert models.data[0].object == "model"
+    assert client.models.retrieve(SERVED).id == SERVED
+    with pytest.raises(openai.NotFoundError) as err:
+        client.models.retrieve("no-such-model")
+    assert err.value.body["code"] == "model_not_found"
 
 
 def test_completion(client, tokenizer):

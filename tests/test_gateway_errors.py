@@ -356,3 +356,15 @@ def test_errors_never_500_under_concurrency(http):
                               bodies))
     assert set(codes) <= {200, 400, 404, 429} and 200 in codes, codes
 
+
+
+def test_the_gateway_imports_no_torch():
+    """The gateway runs without torch: it uses only the engine's torch-free
+    modules (config, tokenizer, sampling params, model resolution)."""
+    import subprocess
+    import sys
+
+    code = "import sys, gateway.app; print('torch' in sys.modules, 'triton' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert out.stdout.split() == ["False", "False"]

@@ -24,6 +24,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    g.add_argument("--quantization", default=None, choices=["gptq", "awq"],
+                   help="insist on a checkpoint quantized this way (default: as it is)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model across this many processes (GPUs on CUDA)")
     g.add_argument("--enforce-eager", action="store_true",
@@ -39,6 +41,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tensor_parallel_size,
+        quantization=args.quantization,
         cache=CacheConfig(
             block_size=args.block_size,
             kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)),

@@ -186,12 +186,19 @@ class EngineConfig:
     # Ranks the model is split across (attention heads, MLP columns); rank 0
     # runs in this process, the others in spawned ones (one GPU each on CUDA).
     tensor_parallel_size: int = 1
+    # None: as the checkpoint's quantization_config says. "gptq" / "awq":
+    # the same, but a checkpoint quantized otherwise (or not at all) is refused.
+    quantization: str | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        if self.quantization is not None and self.quantization not in ("gptq", "awq"):
+            raise ValueError(
+                f"quantization must be 'gptq' or 'awq' (or unset), got {self.quantization!r}"
+            )
         if self.tensor_parallel_size < 1:
             raise ValueError(
                 f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"

@@ -32,6 +32,7 @@ class LLMEngine:
         self.model_dir = resolve_model_dir(config.model,
                                            allow_no_weights=config.load_format == "dummy")
         self.model_config = ModelConfig.from_dir(self.model_dir)
+        self._check_quantization()
         has_tokenizer = (self.model_dir / "tokenizer.json").is_file()
         self.tokenizer = Tokenizer(self.model_dir) if has_tokenizer else None
         self.eos_token_ids = self._eos_token_ids()
@@ -159,6 +160,14 @@ class LLMEngine:
         self.runner.tp.on_broken.append(callback)
 
     # ---- config ------------------------------------------------------------------
+
+    def _check_quantization(self) -> None:
+        asked = self.config.quantization
+        found = self.model_config.quantization
+        if asked is not None and (found is None or found.method != asked):
+            have = f"{found.method}-quantized" if found else "not quantized"
+            raise ValueError(f"quantization={asked!r} was asked for, but {self.model_dir} is "
+                             f"{have}")
 
     def _eos_token_ids(self) -> tuple[int, ...]:
         ids = set(self.model_config.eos_token_ids)

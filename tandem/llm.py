@@ -32,6 +32,7 @@ def engine_config(
     load_format: str = "auto",
     enforce_eager: bool = False,
     tensor_parallel_size: int = 1,
+    quantization: str | None = None,
     max_n: int = 16,
 ) -> EngineConfig:
     """Build an EngineConfig from vLLM-style keyword arguments."""
@@ -44,6 +45,7 @@ def engine_config(
         load_format=load_format,
         enforce_eager=enforce_eager,
         tensor_parallel_size=tensor_parallel_size,
+        quantization=quantization,
         cache=CacheConfig(
             block_size=block_size, kv_cache_bytes=kv_cache_bytes,
             gpu_memory_utilization=gpu_memory_utilization, num_blocks=num_blocks,

@@ -304,3 +304,18 @@ def test_tandem_quantize_writes_a_loadable_directory(tiny_src, tmp_path, capsys)
     assert main(["quantize", str(tmp_path / "d"), "--model", str(out)]) == 2
     assert "quantized already" in capsys.readouterr().err
 
+
+def test_asking_for_a_quantization_checks_the_checkpoint(tiny_src, tmp_path):
+    """vLLM's ``quantization=`` argument: optional here (the checkpoint says),
+    but when given it must match."""
+    qdir, _ = quantize_checkpoint(tiny_src, tmp_path / "awq", AWQ)
+    tokens, _ = _greedy(qdir, quantization="awq")
+    assert tokens == _greedy(qdir)[0]
+    with pytest.raises(ValueError, match="quantization='gptq' was asked for, but .* is "
+                                         "awq-quantized"):
+        LLM(str(qdir), num_blocks=16, quantization="gptq")
+    with pytest.raises(ValueError, match="is not quantized"):
+        LLM(str(tiny_src), num_blocks=16, quantization="awq")
+    with pytest.raises(ValueError, match="must be 'gptq' or 'awq'"):
+        LLM(str(qdir), num_blocks=16, quantization="bitsandbytes")
+

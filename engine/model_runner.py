@@ -158,22 +158,24 @@ class ModelRunner:
         batch, rows = flatten(out, self.block_size)
         sampling = [s.request for s in out.scheduled if s.sample]
         prompts = [p for p in (self._plan_prompt_logprobs(*r) for r in rows.prompt_rows) if p]
-        # Every row that needs logits, in one call: the sampled ones first.
-        logit_rows = [rows.logits_index[r.request_id] for r in sampling]
-        for p in prompts:
-            logit_rows.extend(range(p.row_lo, p.row_hi))
+        # The rows that need logits, one call per group: the sampled rows,
+        # then each prompt chunk's (so a [rows, vocab] matrix is never larger
+        # than one chunk's). With tensor parallelism each call is a gather the
+        # followers join, so they get the same list.
+        calls = [[rows.logits_index[r.request_id] for r in sampling]] if sampling else []
+        calls += [list(range(p.row_lo, p.row_hi)) for p in prompts]
         if self.followers is not None:
             with self.tp.command():  # the followers run the same forward and logits
-                self.followers.send(("forward", batch, logit_rows))
+                self.followers.send(("forward", batch, calls))
                 hidden = self.shard.forward(batch)
-                logits = self.model.compute_logits(hidden[logit_rows]) if logit_rows else None
+                logits = [self.model.compute_logits(hidden[c]) for c in calls]
         else:
             input_ids, positions, meta = batch.to_device(self.device)
             if self.decode_graphs is not None and self.decode_graphs.fits(meta):
                 hidden = self.decode_graphs.run(input_ids, positions, meta)
             else:
                 hidden = self.model(input_ids, positions, self.kv_caches, meta)
-            logits = self.model.compute_logits(hidden[logit_rows]) if logit_rows else None
+            logits = [self.model.compute_logits(hidden[c]) for c in calls]
 
         result = RunnerOutput()
         if sampling:
@@ -181,16 +183,13 @@ class ModelRunner:
                 sampling, [self._generator(r) for r in sampling],
                 self.model_cfg.vocab_size, self.device,
             )
-            sampled = sample(logits[: len(sampling)], batch_params)
+            sampled = sample(logits.pop(0), batch_params)
             for request, token, lp in zip(sampling, sampled.token_ids, sampled.logprobs):
                 result.sampled[request.request_id] = token
                 if lp is not None:
                     result.logprobs[request.request_id] = lp
-        offset = len(sampling)
-        for p in prompts:
-            n = p.row_hi - p.row_lo
-            self._fill_prompt_logprobs(p, logits[offset : offset + n])
-            offset += n
+        for p, chunk_logits in zip(prompts, logits, strict=True):
+            self._fill_prompt_logprobs(p, chunk_logits)
         return result
 
     def _generator(self, request: Request) -> torch.Generator | None:

@@ -79,12 +79,12 @@ class ModelShard:
         self.blocks = KVBlocks(self.kv_caches)
 
     @torch.inference_mode()
-    def forward(self, batch: StepBatch, logit_rows: list[int] | None = None) -> torch.Tensor:
-        """Hidden states ``[num_tokens, hidden]``. With ``logit_rows``, also
-        takes part in computing those rows' logits (a follower rank: rank 0
-        computes them itself and gets them)."""
+    def forward(self, batch: StepBatch, logit_calls: list[list[int]] = ()) -> torch.Tensor:
+        """Hidden states ``[num_tokens, hidden]``. Then takes part in one
+        logits computation per list of rows in ``logit_calls`` (a follower
+        rank: rank 0 computes them itself and gets them)."""
         input_ids, positions, meta = batch.to_device(self.device)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        if logit_rows:
-            self.model.compute_logits(hidden[logit_rows])
+        for rows in logit_calls:
+            self.model.compute_logits(hidden[rows])
         return hidden

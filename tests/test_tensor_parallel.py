@@ -225,7 +225,7 @@ def test_a_failed_command_breaks_the_group_for_good(models):
     llm.engine.on_unusable(lambda: heard.append(True))
     real_forward = runner.shard.forward
 
-    def failing_forward(batch, logit_rows=None):
+    def failing_forward(batch, logit_calls=()):
         raise RuntimeError("out of memory (simulated)")
 
     runner.shard.forward = failing_forward

@@ -2,9 +2,9 @@
 
 Each is a spawned process that builds its ``ModelShard``, says whether that
 worked, joins the group, then carries out the commands rank 0 sends down its
-pipe until it sends ``None``: ``("forward", StepBatch, logit_rows)`` (its
-layers take part in the all-reduces, its slice of the vocabulary in the
-logits' gather), ``("read_kv", block_ids, layer)`` (its heads of
+pipe until it sends ``None``: ``("forward", StepBatch, logit_calls)`` (its
+layers take part in the all-reduces, its slice of the vocabulary in each
+logits gather), ``("read_kv", block_ids, layer)`` (its heads of
 those blocks, gathered to rank 0) and ``("write_kv", block_ids, layer)``
 (its share, scattered from rank 0). Rank 0 alone schedules, samples and
 owns the requests.
@@ -162,8 +162,8 @@ def _follow(config: EngineConfig, model_cfg: ModelConfig, model_dir: Path, max_m
         while (command := _next(commands)) is not None:
             kind, *args = command
             if kind == "forward":
-                batch, logit_rows = args
-                shard.forward(batch, logit_rows)
+                batch, logit_calls = args
+                shard.forward(batch, logit_calls)
             elif kind == "read_kv":
                 tp.gather(read_local(shard.blocks, *args))
             elif kind == "write_kv":

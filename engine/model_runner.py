@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,11 +13,12 @@ import torch
 from engine.batch import flatten
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import DecodeGraphs
+from engine.device import on_device, rank_device
 from engine.errors import EngineUnusable
 from engine.kv_blocks import KVBlockView
 from engine.model_shard import ModelShard
 from engine.parallel import TensorParallel
-from engine.parallel.followers import Followers, comm_backend, rank_device, share_cpu
+from engine.parallel.followers import Followers, comm_backend, share_cpu
 from engine.parallel.sharded_kv import ShardedKVBlocks
 from engine.request import Request
 from engine.sampler import SamplingBatch, sample
@@ -146,13 +146,9 @@ class ModelRunner:
         self.generators.pop(request_id, None)
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        # NOTE: the current CUDA device is per thread, and steps run on the
-        # engine's own thread: Triton launches and graphs use the current one.
-        with self._on_device(), torch.inference_mode():
+        # Steps run on the engine's own thread: make this rank's GPU current there.
+        with on_device(self.device), torch.inference_mode():
             return self._execute(out)
-
-    def _on_device(self):
-        return torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext()
 
     def _execute(self, out: SchedulerOutput) -> RunnerOutput:
         batch, rows = flatten(out, self.block_size)

@@ -49,6 +49,24 @@ class Renderer:
         return {"id": self.rid, "object": obj, "created": self.created,
                 "model": self.service.model_name, "choices": choices}
 
+    @staticmethod
+    def _extend(choice: dict, logprobs: dict | None, finish_reason: str | None) -> None:
+        """Fold one chunk's logprobs (lists under each key) and finish reason
+        into a choice being collected."""
+        if logprobs is not None:
+            if choice["logprobs"] is None:
+                choice["logprobs"] = logprobs
+            else:
+                for key, values in logprobs.items():
+                    choice["logprobs"][key].extend(values)
+        if finish_reason:
+            choice["finish_reason"] = finish_reason
+
+    def _collected(self, choices: dict[int, dict], obj: str) -> dict:
+        body = self._envelope([choices[i] for i in sorted(choices)], obj)
+        body["usage"] = self.usage()
+        return body
+
 
 class CompletionRenderer(Renderer):
     def __init__(self, service, rid, num_prompts: int, n: int, top_n: int) -> None:
@@ -91,18 +109,8 @@ class CompletionRenderer(Renderer):
             c = choices.setdefault(index, {"index": index, "text": "", "logprobs": None,
                                            "finish_reason": None})
             c["text"] += chunk.text
-            lp = self._logprobs(index, chunk)
-            if lp is not None:
-                if c["logprobs"] is None:
-                    c["logprobs"] = lp
-                else:
-                    for key in lp:
-                        c["logprobs"][key].extend(lp[key])
-            if chunk.finish_reason:
-                c["finish_reason"] = chunk.finish_reason
-        body = self._envelope([choices[i] for i in sorted(choices)], "text_completion")
-        body["usage"] = self.usage()
-        return body
+            self._extend(c, self._logprobs(index, chunk), chunk.finish_reason)
+        return self._collected(choices, "text_completion")
 
 
 class ChatRenderer(Renderer):
@@ -151,14 +159,5 @@ class ChatRenderer(Renderer):
                 "logprobs": None, "finish_reason": None,
             })
             c["message"]["content"] += chunk.text
-            lp = self._logprobs(chunk)
-            if lp is not None:
-                if c["logprobs"] is None:
-                    c["logprobs"] = lp
-                else:
-                    c["logprobs"]["content"].extend(lp["content"])
-            if chunk.finish_reason:
-                c["finish_reason"] = chunk.finish_reason
-        body = self._envelope([choices[i] for i in sorted(choices)], "chat.completion")
-        body["usage"] = self.usage()
-        return body
+            self._extend(c, self._logprobs(chunk), chunk.finish_reason)
+        return self._collected(choices, "chat.completion")

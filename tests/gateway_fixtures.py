@@ -276,6 +276,31 @@ class RedisMonitor:
         return states
 
 
+def cluster_fixture():
+    """A module fixture: the processes its tests start, stopped at its end.
+    Use as ``cluster = cluster_fixture()``."""
+
+    @pytest.fixture(scope="module")
+    def cluster():
+        with LocalCluster() as c:
+            yield c
+
+    return cluster
+
+
+def redis_db_fixture(db: int):
+    """A module fixture: the test Redis at database ``db``, emptied first.
+    Use as ``url = redis_db_fixture(DB)``."""
+
+    @pytest.fixture(scope="module")
+    def url():
+        url = redis_url(db)
+        flush_redis(url)
+        return url
+
+    return url
+
+
 def module_cluster(num_blocks: int, roles: Iterable[str] = ("prefill", "decode")):
     """The module-scoped fixtures most gateway tests share: a cluster, its
     tiny-model workers, a gateway in front of them, and a check after every
@@ -283,11 +308,7 @@ def module_cluster(num_blocks: int, roles: Iterable[str] = ("prefill", "decode")
 
         cluster, workers, gateway, no_leaks = module_cluster(NUM_BLOCKS)
     """
-
-    @pytest.fixture(scope="module")
-    def cluster():
-        with LocalCluster() as c:
-            yield c
+    cluster = cluster_fixture()
 
     @pytest.fixture(scope="module")
     def workers(cluster):

@@ -15,8 +15,9 @@ import redis
 from gateway_fixtures import (
     SERVED,
     RedisMonitor,
-    flush_redis,
+    cluster_fixture,
     iter_sse,
+    redis_db_fixture,
     redis_record,
     redis_url,
     start_gateway,
@@ -27,24 +28,14 @@ from gateway_fixtures import (
 from worker_fixtures import metric, scrape
 
 from gateway.state import MemoryStore, RedisStore, State
-from tandem.cluster import LocalCluster
 
 DB = 1
 NUM_BLOCKS = 64
 PROMPT = "the quick brown fox"
 
 
-@pytest.fixture(scope="module")
-def url():
-    url = redis_url(DB)
-    flush_redis(url)
-    return url
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    with LocalCluster() as c:
-        yield c
+url = redis_db_fixture(DB)
+cluster = cluster_fixture()
 
 
 @pytest.fixture(scope="module")

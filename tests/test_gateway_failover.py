@@ -17,10 +17,10 @@ import pytest
 from gateway_fixtures import (
     SERVED,
     RedisMonitor,
-    flush_redis,
+    cluster_fixture,
     iter_sse,
+    redis_db_fixture,
     redis_record,
-    redis_url,
     sigkill,
     start_gateway,
     start_workers,
@@ -30,7 +30,6 @@ from gateway_fixtures import (
 )
 
 from rpc.protos import common_pb2, generation_pb2
-from tandem.cluster import LocalCluster
 
 DB = 2
 NUM_BLOCKS = 64
@@ -39,17 +38,8 @@ LONG = {"prompt": PROMPT, "max_tokens": 900, "temperature": 0, "ignore_eos": Tru
 KILL_AFTER = 30  # stream chunks received before the serving decode worker is killed
 
 
-@pytest.fixture(scope="module")
-def url():
-    url = redis_url(DB)
-    flush_redis(url)
-    return url
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    with LocalCluster() as c:
-        yield c
+url = redis_db_fixture(DB)
+cluster = cluster_fixture()
 
 
 @pytest.fixture(scope="module")

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import zlib
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from engine.quantization import QuantConfig
-from engine.quantization.formats import checkpoint_tensors, quantize_rtn
+from engine.quantization.formats import quantize_rtn
+from engine.quantization.writer import is_linear_weight, quantize_weights, save_model
 
 TINY = dict(
     vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -64,43 +64,35 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
 GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False}
 AWQ = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"}
 
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
 def quantize_checkpoint(src, dst, cfg: dict, act_order: bool = False):
     """Write ``src`` quantized as ``cfg`` says into ``dst``, and the same model
     with the dequantized weights in float into ``dst``-float; return both."""
     quant = QuantConfig.from_dict(cfg)
     weights = load_file(src / "model.safetensors")
-    quantized, rounded = {}, {}
-    for name, tensor in weights.items():
-        layer = name.split(".")[-2] if name.endswith(".weight") else ""
-        if layer not in LINEARS:
-            quantized[name] = rounded[name] = tensor
-            continue
-        in_features = tensor.shape[1]
-        g_idx = None
-        if act_order:  # one random order per input, shared by q/k/v and gate/up (as in GPTQ)
-            shared = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up",
-                      "up_proj": "gate_up"}.get(layer, layer)
-            seed = zlib.crc32(f"{name.split('.')[2]}.{shared}".encode())
-            perm = torch.randperm(in_features, generator=torch.Generator().manual_seed(seed))
-            g_idx = torch.empty(in_features, dtype=torch.int32)
-            g_idx[perm] = torch.arange(in_features, dtype=torch.int32) // quant.group_of(in_features)
-        ck = checkpoint_tensors(quant, tensor, g_idx)
-        prefix = name.removesuffix(".weight")
-        quantized.update({f"{prefix}.{k}": v for k, v in ck.items()})
-        # The float twin straight from the rounding, not through Tandem's loader.
-        q, scales, zeros, g = quantize_rtn(tensor, quant.bits, quant.group_size, g_idx,
-                                           min_zero=quant.zero_offset)
+
+    def g_idx_of(name: str, weight: torch.Tensor) -> torch.Tensor | None:
+        """One random order per input, shared by q/k/v and gate/up (as in GPTQ)."""
+        if not act_order:
+            return None
+        layer = name.split(".")[-2]
+        shared = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up",
+                  "up_proj": "gate_up"}.get(layer, layer)
+        seed = zlib.crc32(f"{name.split('.')[2]}.{shared}".encode())
+        in_features = weight.shape[1]
+        perm = torch.randperm(in_features, generator=torch.Generator().manual_seed(seed))
+        g_idx = torch.empty(in_features, dtype=torch.int32)
+        g_idx[perm] = torch.arange(in_features, dtype=torch.int32) // quant.group_of(in_features)
+        return g_idx
+
+    def float_twin(name: str, weight: torch.Tensor) -> torch.Tensor:
+        """Straight from the rounding, not through Tandem's loader."""
+        q, scales, zeros, g = quantize_rtn(weight, quant.bits, quant.group_size,
+                                           g_idx_of(name, weight), min_zero=quant.zero_offset)
         g = g.long()
-        w = (q - zeros[g]).float() * scales.half().float()[g]
-        rounded[name] = w.T.contiguous()
-    float_dir = dst.parent / (dst.name + "-float")
-    for path, tensors, extra in ((dst, quantized, {"quantization_config": cfg}),
-                                 (float_dir, rounded, {})):
-        path.mkdir(parents=True)
-        config = json.loads((src / "config.json").read_text())
-        (path / "config.json").write_text(json.dumps({**config, **extra}))
-        save_file(tensors, str(path / "model.safetensors"))
+        return ((q - zeros[g]).float() * scales.half().float()[g]).T.contiguous()
+
+    quantized = quantize_weights(weights.items(), quant, g_idx_of)
+    rounded = {n: float_twin(n, t) if is_linear_weight(n) else t for n, t in weights.items()}
+    save_model(src, dst, quantized, {"quantization_config": cfg})
+    float_dir = save_model(src, dst.parent / (dst.name + "-float"), rounded, {})
     return dst, float_dir

@@ -26,6 +26,7 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 from engine.config import EngineConfig, ModelConfig
+from engine.device import rank_device
 from engine.errors import EngineUnusable
 from engine.model_shard import ModelShard
 from engine.parallel.group import TensorParallel
@@ -34,14 +35,6 @@ from engine.parallel.sharded_kv import read_local, write_local
 logger = logging.getLogger("engine")
 
 _READY_TIMEOUT_S = 600.0  # loading a large shard from a slow disk
-
-
-def rank_device(device: str, rank: int) -> str:
-    """``cuda`` / ``cuda:N`` -> the GPU of ``rank`` (N + rank); the CPU is shared."""
-    if not device.startswith("cuda"):
-        return device
-    base = int(device.partition(":")[2] or 0)
-    return f"cuda:{base + rank}"
 
 
 def comm_backend(device: str) -> str:

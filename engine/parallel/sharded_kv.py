@@ -10,10 +10,10 @@ Same interface as ``engine.kv_blocks.KVBlocks``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import nullcontext
 
 import torch
 
+from engine.device import on_device
 from engine.kv_blocks import KVBlocks
 from engine.parallel.group import TensorParallel
 
@@ -61,9 +61,6 @@ class ShardedKVBlocks:
         shape = (2, num_blocks, block_size, heads * self.tp.size, head_dim)
         return shape if num_layers is None else (num_layers, *shape)
 
-    def _on_device(self):
-        # The current CUDA device is per thread; KV copies run on executor threads.
-        return torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext()
 
     def _check(self, block_ids: list[int], layer: int | None) -> list[int]:
         block_ids = [int(b) for b in block_ids]
@@ -75,7 +72,7 @@ class ShardedKVBlocks:
 
     def _read(self, block_ids: list[int], layer: int | None) -> torch.Tensor:
         block_ids = self._check(block_ids, layer)
-        with self._on_device(), self.tp.command():
+        with on_device(self.device), self.tp.command():
             self.send(("read_kv", block_ids, layer))
             parts = self.tp.gather(read_local(self.local, block_ids, layer))
         return torch.cat(parts, dim=_HEADS)
@@ -88,7 +85,7 @@ class ShardedKVBlocks:
             raise ValueError(f"KV data {tuple(data.shape)} {data.dtype} does not fit "
                              f"{tuple(want)} {self.local.kv_caches[0][0].dtype}")
         parts = list(data.to(self.device).chunk(self.tp.size, dim=_HEADS))
-        with self._on_device(), self.tp.command():
+        with on_device(self.device), self.tp.command():
             self.send(("write_kv", block_ids, layer))
             mine = self.tp.scatter(torch.empty_like(parts[0], memory_format=torch.contiguous_format),
                                    parts)

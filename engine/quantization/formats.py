@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from engine.quantization.config import QuantConfig
+from kernels.reference import unpack_int_rows
 
 # Nibble i of an AWQ word holds column AWQ_ORDER[i] of its eight columns.
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -33,12 +34,6 @@ _AWQ_UNDO = tuple(AWQ_ORDER.index(j) for j in range(8))  # column j sits in nibb
 
 def _shifts(bits: int, device: torch.device) -> torch.Tensor:
     return torch.arange(0, 32, bits, dtype=torch.int32, device=device)
-
-
-def unpack_cols(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """``[R, C]`` int32 -> ``[R, C * pack]`` integers in [0, 2**bits)."""
-    vals = (packed[:, :, None] >> _shifts(bits, packed.device)[None, None, :]) & ((1 << bits) - 1)
-    return vals.reshape(packed.shape[0], -1)
 
 
 def _to_int32(words: torch.Tensor) -> torch.Tensor:
@@ -50,18 +45,19 @@ def pack_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of ``kernels.reference.unpack_int_rows``: ``[K, C]`` -> ``[K / pack, C]`` int32."""
     pack = 32 // bits
     if values.shape[0] % pack:
-        raise ValueError(f"{values.shape[0]} rows do not pack into words of {pack}")
+        raise ValueError(f"{values.shape[0]} values do not pack into words of {pack}")
     v = values.to(torch.int64).reshape(-1, pack, values.shape[1])
     return _to_int32((v << _shifts(bits, v.device).long()[None, :, None]).sum(1))
 
 
+def unpack_cols(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """``[R, C]`` int32 -> ``[R, C * pack]``: the same words, packed along the columns."""
+    return unpack_int_rows(packed.T, bits).T
+
+
 def pack_cols(values: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of ``unpack_cols``: ``[R, N]`` -> ``[R, N / pack]`` int32."""
-    pack = 32 // bits
-    if values.shape[1] % pack:
-        raise ValueError(f"{values.shape[1]} columns do not pack into words of {pack}")
-    v = values.to(torch.int64).reshape(values.shape[0], -1, pack)
-    return _to_int32((v << _shifts(bits, v.device).long()[None, None, :]).sum(2))
+    return pack_rows(values.T, bits).T.contiguous()
 
 
 def _awq_columns(n: int, device: torch.device) -> torch.Tensor:

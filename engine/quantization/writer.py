@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,45 @@ def quant_config_dict(method: str, bits: int, group_size: int) -> dict[str, Any]
     return cfg
 
 
+def is_linear_weight(name: str) -> bool:
+    """Whether a checkpoint tensor is the weight of a decoder linear layer."""
+    parts = name.split(".")
+    return name.endswith(".weight") and len(parts) > 1 and parts[-2] in LINEAR_LAYERS
+
+
+def quantize_weights(
+    weights: Iterable[tuple[str, torch.Tensor]], quant: QuantConfig,
+    g_idx_of: Callable[[str, torch.Tensor], torch.Tensor | None] | None = None,
+) -> dict[str, torch.Tensor]:
+    """A checkpoint's tensors with every linear weight replaced by its
+    quantized tensors; ``g_idx_of(name, weight)`` may give a layer an
+    act-order group assignment."""
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in weights:
+        if not is_linear_weight(name):
+            tensors[name] = tensor.contiguous()
+            continue
+        g_idx = g_idx_of(name, tensor) if g_idx_of is not None else None
+        prefix = name.removesuffix(".weight")
+        for key, value in checkpoint_tensors(quant, tensor, g_idx).items():
+            tensors[f"{prefix}.{key}"] = value.contiguous()
+    return tensors
+
+
+def save_model(src: Path, out: Path, tensors: dict[str, torch.Tensor],
+               config_updates: dict[str, Any]) -> Path:
+    """``tensors`` as a model directory ``out``: ``src``'s config.json with
+    ``config_updates``, and its tokenizer and generation files."""
+    out.mkdir(parents=True)
+    config = json.loads((src / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, **config_updates}, indent=2))
+    for side in _SIDE_FILES:
+        if (src / side).is_file():
+            shutil.copy2(src / side, out / side)
+    save_file(tensors, str(out / "model.safetensors"))
+    return out
+
+
 def quantize_model(model: str | None, out: Path, method: str, bits: int, group_size: int) -> Path:
     """Write ``model`` (a directory, a .gguf, None: the bundled default)
     quantized into ``out``, a new directory; returns it."""
@@ -46,24 +86,8 @@ def quantize_model(model: str | None, out: Path, method: str, bits: int, group_s
     out = Path(out)
     if out.exists():
         raise ValueError(f"{out} already exists; choose a new directory")
-    config = json.loads((src / "config.json").read_text())
-    if config.get("quantization_config"):
+    if json.loads((src / "config.json").read_text()).get("quantization_config"):
         raise ValueError(f"{src} is quantized already; start from a float model")
     cfg = quant_config_dict(method, bits, group_size)
-    quant = QuantConfig.from_dict(cfg)
-    tensors: dict[str, torch.Tensor] = {}
-    for name, tensor in iterate_weights(src):
-        parts = name.split(".")
-        if name.endswith(".weight") and len(parts) > 1 and parts[-2] in LINEAR_LAYERS:
-            prefix = name.removesuffix(".weight")
-            for key, value in checkpoint_tensors(quant, tensor).items():
-                tensors[f"{prefix}.{key}"] = value.contiguous()
-        else:
-            tensors[name] = tensor.contiguous()
-    out.mkdir(parents=True)
-    (out / "config.json").write_text(json.dumps({**config, "quantization_config": cfg}, indent=2))
-    for side in _SIDE_FILES:
-        if (src / side).is_file():
-            shutil.copy2(src / side, out / side)
-    save_file(tensors, str(out / "model.safetensors"))
-    return out
+    tensors = quantize_weights(iterate_weights(src), QuantConfig.from_dict(cfg))
+    return save_model(src, out, tensors, {"quantization_config": cfg})

@@ -1,11 +1,13 @@
-"""Which device a tensor-parallel rank runs on, and making it current.
+"""Which device a tensor-parallel rank runs on, and claiming it.
 
 CUDA's current device is per thread, and Triton launches, graph capture and
 NCCL use it; steps and KV copies run on worker threads, so each sets it.
+On the CPU the ranks share the cores instead.
 """
 
 from __future__ import annotations
 
+import os
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
@@ -22,3 +24,19 @@ def rank_device(device: str, rank: int) -> str:
 def on_device(device: torch.device) -> AbstractContextManager:
     """Make ``device`` the current CUDA device of this thread (nothing on the CPU)."""
     return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
+
+
+def comm_backend(device: str) -> str:
+    """The torch.distributed backend of a tensor-parallel group on ``device``."""
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+def claim_device(device: str, tp_size: int) -> None:
+    """Set this process up to run one of ``tp_size`` ranks on ``device``: its
+    GPU current on CUDA; on the CPU, with several ranks, an equal share of
+    the cores (each rank running a full pool of threads oversubscribes the
+    machine, and the ranks then wait on each other at every all-reduce)."""
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    elif tp_size > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp_size))

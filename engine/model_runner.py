@@ -13,12 +13,12 @@ import torch
 from engine.batch import flatten
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import DecodeGraphs
-from engine.device import on_device, rank_device
+from engine.device import claim_device, comm_backend, on_device, rank_device
 from engine.errors import EngineUnusable
 from engine.kv_blocks import KVBlockView
 from engine.model_shard import ModelShard
 from engine.parallel import TensorParallel
-from engine.parallel.followers import Followers, comm_backend, share_cpu
+from engine.parallel.followers import Followers
 from engine.parallel.sharded_kv import ShardedKVBlocks
 from engine.request import Request
 from engine.sampler import SamplingBatch, sample
@@ -56,31 +56,23 @@ class ModelRunner:
         self.model_cfg = model_cfg
         self.tp = TensorParallel(0, config.tensor_parallel_size)
         shard_config = dataclasses.replace(config, device=rank_device(config.device, 0))
-        if shard_config.device.startswith("cuda"):
-            # Triton launches, graph capture and NCCL use the current device.
-            torch.cuda.set_device(shard_config.device)
         self.shard = ModelShard(shard_config, model_cfg, model_dir, max_model_len, self.tp)
-        self.device = self.shard.device
-        self.block_size = self.shard.block_size
-        self.backend = self.shard.backend
-        self.model = self.shard.model
+        self._threads = torch.get_num_threads()  # restored by shutdown()
+        claim_device(shard_config.device, self.tp.size)
         logger.info("attention backend: %s on %s; tensor parallel: %d",
                     self.backend.name, self.device, self.tp.size)
         self.num_blocks = self._num_blocks()
         self.shard.allocate_cache(self.num_blocks)
-        self.kv_caches = self.shard.kv_caches
         # Whole blocks of the cache, all ranks' heads: what KV transfer moves.
         self.kv_blocks: KVBlockView = self.shard.blocks
         self.followers: Followers | None = None
-        self._threads = torch.get_num_threads()  # restored by shutdown()
         if self.tp.size > 1:
-            if self.device.type == "cpu":
-                share_cpu(self.tp.size)
+            address = self.tp.host()
             self.followers = Followers(shard_config, model_cfg, model_dir, max_model_len,
-                                       self.num_blocks, self.tp.size)
+                                       self.num_blocks, self.tp.size, address)
             try:
                 self.followers.wait_ready()
-                self.tp.join(self.followers.init_method, comm_backend(config.device))
+                self.tp.join(address, comm_backend(config.device))
             except BaseException:
                 self.followers.kill()
                 torch.set_num_threads(self._threads)
@@ -101,6 +93,27 @@ class ModelRunner:
             self.model, self.kv_caches, max_batch=self.config.scheduler.max_num_seqs,
             max_model_len=max_model_len, block_size=self.block_size, device=self.device,
         )
+
+    # What rank 0's shard holds, under the names the engine and tests use.
+    @property
+    def model(self):
+        return self.shard.model
+
+    @property
+    def backend(self):
+        return self.shard.backend
+
+    @property
+    def device(self) -> torch.device:
+        return self.shard.device
+
+    @property
+    def block_size(self) -> int:
+        return self.shard.block_size
+
+    @property
+    def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return self.shard.kv_caches
 
     @property
     def block_bytes(self) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -21,6 +22,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 MODULES = {"prefill": "prefill_service", "decode": "decode_service", "both": "decode_service",
            "gateway": "gateway"}
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on now (for a process started next to bind)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 @dataclass

@@ -269,8 +269,7 @@ def tiny_model(tmp_path_factory):
 
 
 def test_bench_serve_against_a_gateway_and_worker(tiny_model, tmp_path, capsys):
-    from tandem.bench.compare import free_port
-    from tandem.cluster import LocalCluster
+    from tandem.cluster import LocalCluster, free_port
     from tandem.up import start_cluster
 
     args = argparse.Namespace(

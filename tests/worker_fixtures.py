@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import socket
 import time
 import urllib.request
 from collections.abc import Iterable
@@ -26,13 +25,7 @@ from engine.sampling_params import SamplingParams
 from rpc.convert import params_to_proto
 from rpc.pool import ChannelPool
 from rpc.protos import common_pb2, worker_pb2, worker_pb2_grpc
-from tandem.cluster import LocalCluster, Proc
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tandem.cluster import LocalCluster, Proc, free_port
 
 
 def worker_args(model_dir: Path | str, num_blocks: int, *extra: str) -> list[str]:

@@ -18,15 +18,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import multiprocessing as mp
-import os
 import queue
-import socket
 import time
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 from engine.config import EngineConfig, ModelConfig
-from engine.device import rank_device
+from engine.device import claim_device, comm_backend, rank_device
 from engine.errors import EngineUnusable
 from engine.model_shard import ModelShard
 from engine.parallel.group import TensorParallel
@@ -37,31 +35,12 @@ logger = logging.getLogger("engine")
 _READY_TIMEOUT_S = 600.0  # loading a large shard from a slow disk
 
 
-def comm_backend(device: str) -> str:
-    return "nccl" if device.startswith("cuda") else "gloo"
-
-
-def share_cpu(size: int) -> None:
-    """On the CPU, give each of ``size`` ranks its share of the cores: every
-    rank running a full pool of threads oversubscribes the machine, and the
-    ranks then wait on each other at every all-reduce."""
-    import torch
-
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Followers:
     """The processes of ranks 1..size-1, started and awaited by rank 0."""
 
     def __init__(self, config: EngineConfig, model_cfg: ModelConfig, model_dir: Path,
-                 max_model_len: int, num_blocks: int, size: int) -> None:
-        self.init_method = f"tcp://127.0.0.1:{_free_port()}"
+                 max_model_len: int, num_blocks: int, size: int, address: str) -> None:
+        """``address``: the rendezvous store rank 0 hosts (``TensorParallel.host``)."""
         ctx = mp.get_context("spawn")
         self._ready = ctx.Queue()
         self.procs: list[BaseProcess] = []
@@ -72,7 +51,7 @@ class Followers:
             proc = ctx.Process(
                 target=_follow, name=f"tandem-tp{rank}", daemon=True,
                 args=(rank_config, model_cfg, model_dir, max_model_len, num_blocks, rank, size,
-                      self.init_method, self._ready, receive),
+                      address, self._ready, receive),
             )
             proc.start()
             receive.close()  # the follower's end
@@ -134,23 +113,18 @@ class Followers:
 
 
 def _follow(config: EngineConfig, model_cfg: ModelConfig, model_dir: Path, max_model_len: int,
-            num_blocks: int, rank: int, size: int, init_method: str, ready, commands) -> None:
+            num_blocks: int, rank: int, size: int, address: str, ready, commands) -> None:
     name = mp.current_process().name
     tp = TensorParallel(rank, size)
     try:
-        if config.device.startswith("cuda"):
-            import torch
-
-            torch.cuda.set_device(config.device)
-        else:
-            share_cpu(size)
+        claim_device(config.device, size)
         shard = ModelShard(config, model_cfg, model_dir, max_model_len, tp)
         shard.allocate_cache(num_blocks)
     except Exception as exc:  # reported to rank 0, which raises it
         ready.put((name, f"{type(exc).__name__}: {exc}"))
         return
     ready.put((name, None))
-    tp.join(init_method, comm_backend(config.device))
+    tp.join(address, comm_backend(config.device))
     try:
         while (command := _next(commands)) is not None:
             kind, *args = command

@@ -31,6 +31,7 @@ class TensorParallel:
         # collective, so commands from two threads (a step, a KV copy) never
         # interleave their collectives.
         self.lock = threading.Lock()
+        self._store: dist.TCPStore | None = None  # the rendezvous, kept alive
         # The first failure of a command; from then on none is sent.
         self.broken: Exception | None = None
         # Called (from whichever thread failed) when the group breaks.
@@ -64,9 +65,20 @@ class TensorParallel:
             )
         return total // self.size
 
-    def join(self, init_method: str, backend: str) -> None:
-        """Form the group: every rank calls this with the same address."""
-        dist.init_process_group(backend, init_method=init_method, rank=self.rank,
+    def host(self) -> str:
+        """Rank 0: start the group's rendezvous store on a port the system
+        picks (no port to guess and race for); returns its address."""
+        self._store = dist.TCPStore("127.0.0.1", 0, self.size, is_master=True,
+                                    wait_for_workers=False, timeout=COLLECTIVE_TIMEOUT)
+        return f"127.0.0.1:{self._store.port}"
+
+    def join(self, address: str, backend: str) -> None:
+        """Form the group: every rank calls this with rank 0's ``host()``."""
+        if self._store is None:
+            host, port = address.rsplit(":", 1)
+            self._store = dist.TCPStore(host, int(port), self.size, is_master=False,
+                                        timeout=COLLECTIVE_TIMEOUT)
+        dist.init_process_group(backend, store=self._store, rank=self.rank,
                                 world_size=self.size, timeout=COLLECTIVE_TIMEOUT)
 
     def leave(self) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -25,6 +24,7 @@ from tandem.bench.arrivals import parse_rates
 from tandem.bench.datasets import BenchRequest, random_requests, stream_hash
 from tandem.bench.metrics import DEFINITIONS, RequestRecord, parse_slos
 from tandem.bench.serve import RatePoint, sweep
+from tandem.cluster import free_port
 
 ARMS = {
     "hf": "HF generate, 1 at a time",
@@ -60,12 +60,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--label", default="compare")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     p.set_defaults(run=run)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 @contextmanager

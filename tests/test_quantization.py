@@ -273,8 +273,12 @@ def test_dummy_weights_for_a_quantized_shape(tiny_src, tmp_path):
     path.mkdir()
     config = json.loads((tiny_src / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "quantization_config": AWQ}))
-    out, _ = _greedy(path, load_format="dummy")
+    out, llm = _greedy(path, load_format="dummy")
     assert all(len(tokens) == 6 for tokens in out)
+    # The random fill reached the packed integers, and g_idx kept its order.
+    layer = llm.engine.runner.model.layers[0].mlp.down_proj
+    assert (layer.qweight != 0).float().mean() > 0.9
+    assert layer.g_idx.tolist() == [k // 32 for k in range(128)]
 
 
 def test_tandem_quantize_writes_a_loadable_directory(tiny_src, tmp_path, capsys):

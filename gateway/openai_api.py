@@ -7,7 +7,6 @@ after a stream has begun is sent as an error event, then ``[DONE]``.
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import json
 import logging
@@ -21,9 +20,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from gateway.fan_in import FanIn
 from gateway.openai_render import ChatRenderer, CompletionRenderer
-from gateway.orchestrator import Chunk
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.sequence import Chunk
 from gateway.service import GatewayService, ModelNotFound, request_span
 from rpc.errors import Draining, Overloaded, TandemError
 from rpc.tracing import context_from_headers, end_span, tracer
@@ -244,31 +244,13 @@ async def _merge_spanned(service, rid, prompts, params, ctx):
         async for chunk in service.generate(prompts[0], params[0], rid, ctx):
             yield 0, chunk
         return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def run(i: int) -> None:
-        try:
-            async for chunk in service.generate(prompts[i], params[i], f"{rid}-p{i}", ctx):
-                queue.put_nowait((i, chunk))
-            queue.put_nowait((i, None))
-        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
-            queue.put_nowait((i, exc))
-
-    tasks = [asyncio.ensure_future(run(i)) for i in range(len(prompts))]
+    merged = FanIn([service.generate(p, sp, f"{rid}-p{i}", ctx)
+                    for i, (p, sp) in enumerate(zip(prompts, params))])
     try:
-        done = 0
-        while done < len(prompts):
-            i, item = await queue.get()
-            if item is None:
-                done += 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
+        async for item in merged:
+            yield item
     finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await merged.aclose()
 
 
 async def _first(merged: AsyncIterator) -> Any:

@@ -7,7 +7,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from gateway.orchestrator import Chunk
+from gateway.sequence import Chunk
 from gateway.service import GatewayService
 
 

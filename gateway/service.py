@@ -19,8 +19,9 @@ from engine.loader.resolve import model_fingerprint, resolve_model_dir
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from gateway.metrics import GatewayMetrics
-from gateway.orchestrator import Chunk, Orchestrator
+from gateway.orchestrator import Orchestrator
 from gateway.router import WorkerPool
+from gateway.sequence import Chunk
 from gateway.state import make_store
 from rpc.errors import Draining, NotFound, Overloaded
 from rpc.pool import ChannelPool

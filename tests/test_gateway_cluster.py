@@ -238,24 +238,25 @@ async def test_one_completions_retry_does_not_silence_the_other(store):
     """n = 2: completion 0 retried (attempt 2), then completion 1, still on
     attempt 1, moves on. Its write must land."""
     from engine.sampling_params import SamplingParams
-    from gateway.orchestrator import Orchestrator, Sequence
+    from gateway.request_record import RequestRecords
+    from gateway.sequence import Sequence
 
     rid = f"n2-{random.randrange(1 << 30)}"
-    orch = Orchestrator(pool=None, store=store)
+    records = RequestRecords(store)
     seqs = [Sequence(f"{rid}-{i}", i, [1, 2, 3], SamplingParams(), record_id=rid)
             for i in range(2)]
     await store.create(rid, {"n": 2})
     for s in seqs:
         await store.create(s.request_id, {"n": 1})
     seqs[0].attempt, seqs[1].attempt = 2, 1
-    await orch._state(seqs[0], State.DECODING)
-    await orch._state(seqs[1], State.DECODING)
+    await records.state(seqs[0], State.DECODING)
+    await records.state(seqs[1], State.DECODING)
     seqs[1].sent = [7, 8]
-    await orch._state(seqs[1], State.DECODING)  # progress of the slower completion
+    await records.state(seqs[1], State.DECODING)  # progress of the slower completion
     assert (await store.get(f"{rid}-1"))["tokens_sent"] == "2"
     assert (await store.get(f"{rid}-0"))["attempt"] == "2"
     seqs[0].sent = [5]
-    await orch._finish(rid, seqs, State.FINISHED)
+    await records.close(rid, seqs, State.FINISHED)
     summary = await store.get(rid)
     assert (summary["state"], summary["tokens_sent"]) == ("FINISHED", "3")
     assert [(await store.get(s.request_id))["state"] for s in seqs] == ["FINISHED"] * 2

@@ -1,0 +1,241 @@
+"""One attempt of one sequence against a decode worker (and a prefill worker
+before it), with a span around every call.
+
+    reserve on a decode worker ──> prefill worker pushes KV, returns token 1
+            └──────────── decode worker streams tokens 2.. ────────────┘
+
+A colocated cluster, or a migration (tokens already sent), skips the first
+line: the decode worker runs the whole request.
+
+A failed call to a worker leaves here as one of two things, decided in
+``_worker_failure`` and nowhere else: ``AttemptFailed`` when another worker
+may succeed (the orchestrator retries or migrates), or the client's own
+error (``ValueError`` for INVALID_ARGUMENT, ...) when none would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from gateway.request_record import RequestRecords
+from gateway.router import WorkerPool, WorkerView
+from gateway.sequence import Chunk, Sequence
+from gateway.state import State
+from rpc.convert import params_to_proto
+from rpc.errors import Overloaded, from_rpc_error
+from rpc.protos import worker_pb2
+from rpc.tracing import current, end_span, tracer
+
+logger = logging.getLogger("gateway")
+_tracer = tracer("tandem.gateway")
+
+# Status codes after which the same call may work on another worker.
+RETRYABLE = {
+    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.CANCELLED,
+}
+
+LEASE_MS_PER_PROMPT_TOKEN = 25
+
+
+class AttemptFailed(Exception):
+    """The attempt failed in a way another worker may not: retry or migrate."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+def _worker_failure(err: grpc.aio.AioRpcError) -> Exception:
+    if err.code() in RETRYABLE:
+        return AttemptFailed(err.code(), err.details() or "")
+    return from_rpc_error(err)
+
+
+class Attempts:
+    def __init__(self, pool: WorkerPool, records: RequestRecords, transport: str,
+                 lease_ms: int) -> None:
+        self.pool = pool
+        self.records = records
+        self.transport = transport
+        self.lease_ms = lease_ms
+
+    async def run(self, seq: Sequence, tried: set[str]) -> AsyncIterator[Chunk]:
+        """The chunks of one attempt, to the finish reason. Raises
+        ``Overloaded`` when no decode worker has room, ``AttemptFailed`` or a
+        client error (see the module's docstring). Adds the workers used to
+        ``tried``; those still holding the sequence stay in ``seq.holders``."""
+        try:
+            async for chunk in self._run(seq, tried):
+                yield chunk
+        except grpc.aio.AioRpcError as err:
+            raise _worker_failure(err) from None
+
+    async def _run(self, seq: Sequence, tried: set[str]) -> AsyncIterator[Chunk]:
+        needed = len(seq.prompt) + len(seq.sent) + 1
+        candidates = self.pool.decode_candidates(needed, tried)
+        if not candidates:
+            raise Overloaded("no decode worker has room for the request")
+        params = params_to_proto(seq.params)
+        if self.pool.colocated or seq.sent:
+            # The worker runs the whole request: colocated, or a migration that
+            # recomputes prompt + tokens already sent.
+            decode = candidates[0]
+            request = worker_pb2.DecodeRequest(
+                request_id=seq.request_id, prompt_token_ids=seq.prompt,
+                output_token_ids=seq.sent, params=params, attempt=seq.attempt,
+            )
+        else:
+            decode, ticket = await self._reserve(seq, candidates, params)
+            first = await self._prefill(seq, ticket, params, tried)
+            request = worker_pb2.DecodeRequest(
+                request_id=seq.request_id, first_token_id=first.first_token_id,
+                first_logprobs=first.first_logprobs if first.HasField("first_logprobs")
+                else None, params=params, attempt=seq.attempt,
+            )
+            seq.prompt_logprobs = list(first.prompt_logprobs)
+        await self.records.state(seq, State.DECODING, decode=decode)
+        async for chunk in self._decode(seq, decode, request, tried):
+            yield chunk
+
+    async def _reserve(self, seq: Sequence, candidates: list[WorkerView], params):
+        refused: grpc.aio.AioRpcError | None = None
+        unreachable: grpc.aio.AioRpcError | None = None
+        full = False
+        for decode in candidates:
+            span = _tracer.start_span("gateway.reserve", context=seq.trace_ctx,
+                                      attributes={"worker": decode.address})
+            try:
+                with current(span):
+                    call = self.pool.stub(decode.address).Reserve(worker_pb2.ReserveRequest(
+                        request_id=seq.request_id, prompt_token_ids=seq.prompt, params=params,
+                        lease_ms=self._lease_ms(len(seq.prompt)), attempt=seq.attempt,
+                    ), timeout=10.0)
+                reply = await call
+                span.set_attribute("blocks", len(reply.ticket.block_ids))
+                end_span(span)
+            except grpc.aio.AioRpcError as err:
+                end_span(span, err)
+                if err.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    # Parameters the gateway let through are fine everywhere; what
+                    # one worker refuses is its own limit (a smaller KV cache than
+                    # the request needs in all): another worker may be bigger.
+                    refused = err
+                elif err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    full = True
+                else:
+                    unreachable = err
+                logger.info("reserve on %s failed: %s", decode.address, err.details())
+                continue
+            seq.holders.add(decode.address)
+            decode.free_blocks -= len(reply.ticket.block_ids)
+            return decode, reply.ticket
+        if refused is not None and not full:
+            raise refused
+        if unreachable is not None and not full:
+            raise unreachable  # retried: the pool will have noticed the dead worker
+        raise Overloaded("no decode worker has room for the request")
+
+    def _lease_ms(self, prompt_tokens: int) -> int:
+        """The reservation must outlive the prompt's queueing and compute on
+        the prefill worker, which grows with the prompt (seconds per thousand
+        tokens on a CPU): the configured base plus a margin per token."""
+        return self.lease_ms + LEASE_MS_PER_PROMPT_TOKEN * prompt_tokens
+
+    async def _prefill(self, seq: Sequence, ticket, params, tried: set[str]):
+        prefill = self.pool.pick_prefill(seq.prompt, tried) or self.pool.pick_prefill(
+            seq.prompt, set())
+        if prefill is None:
+            raise AttemptFailed(grpc.StatusCode.UNAVAILABLE, "no prefill worker is available")
+        # NOTE: counted before the first await, so that requests arriving
+        # together see each other's load when they pick.
+        seq.holders.add(prefill.address)
+        prefill.inflight += 1
+        span = _tracer.start_span("gateway.prefill", context=seq.trace_ctx,
+                                  attributes={"worker": prefill.address,
+                                              "transport": self.transport})
+        try:
+            await self.records.state(seq, State.PREFILLING, prefill=prefill)
+            with current(span):
+                call = self.pool.stub(prefill.address).Prefill(worker_pb2.PrefillRequest(
+                    request_id=seq.request_id, prompt_token_ids=seq.prompt, params=params,
+                    ticket=ticket, transport=self.transport,
+                ))
+            reply = await call
+            span.set_attribute("kv_bytes", reply.kv_bytes)
+            end_span(span)
+            return reply
+        except grpc.aio.AioRpcError as err:
+            end_span(span, err)
+            tried.add(prefill.address)
+            raise
+        except BaseException as exc:
+            end_span(span, exc)
+            raise
+        finally:
+            prefill.inflight -= 1
+            seq.holders.discard(prefill.address)
+
+    async def _decode(self, seq: Sequence, decode: WorkerView,
+                      request: worker_pb2.DecodeRequest, tried: set[str],
+                      ) -> AsyncIterator[Chunk]:
+        tried.add(decode.address)
+        seq.holders.add(decode.address)
+        decode.inflight += 1
+        span = _tracer.start_span("gateway.decode", context=seq.trace_ctx,
+                                  attributes={"worker": decode.address,
+                                              "migrated": bool(seq.sent)})
+        error: BaseException | None = None
+        try:
+            first_chunk, finished = True, False
+            with current(span):
+                stream = self.pool.stub(decode.address).Decode(request)
+            async for c in stream:
+                chunk = Chunk(
+                    index=seq.index, token_ids=list(c.token_ids), text=c.text,
+                    logprobs=list(c.logprobs), finish_reason=c.finish_reason or None,
+                    stop_reason=c.stop_reason, prompt_tokens=c.usage.prompt_tokens,
+                    cached_tokens=c.usage.cached_tokens,
+                    prompt_logprobs=list(c.prompt_logprobs),
+                )
+                if first_chunk and not chunk.prompt_logprobs:
+                    chunk.prompt_logprobs = seq.prompt_logprobs
+                first_chunk = False
+                seq.sent.extend(chunk.token_ids)
+                yield chunk
+                if chunk.finish_reason:
+                    finished = True
+                    # NOTE: read on to the stream's end (it ends right after
+                    # this chunk) so the call completes now, not whenever it
+                    # is garbage collected.
+            if finished:
+                return
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            span.set_attribute("tokens", len(seq.sent))
+            end_span(span, error)
+            decode.inflight -= 1
+            if error is None:
+                seq.holders.discard(decode.address)
+            # else: it stays a holder, so the Abort that precedes a retry reaches
+            # it before the retry can reuse the request id there.
+        raise AttemptFailed(grpc.StatusCode.UNAVAILABLE,
+                            "decode stream ended without a finish reason")
+
+    async def abort_everywhere(self, seq: Sequence) -> None:
+        """Best effort: every worker that may hold blocks of ``seq`` frees them."""
+        holders, seq.holders = set(seq.holders), set()
+        await asyncio.gather(*(
+            self.pool.stub(a).Abort(worker_pb2.AbortRequest(request_id=seq.request_id),
+                                    timeout=5.0)
+            for a in holders
+        ), return_exceptions=True)

@@ -1,57 +1,76 @@
-"""Command-line flags for an engine, shared by the workers and the CLI."""
+"""Command-line flags for an engine, shared by the workers and the CLI.
+
+Every flag's default is read from the config dataclasses (``default_of``);
+each flag's dest is the name of the field it sets, except ``--kv-cache-gib``
+(kv_cache_bytes, in GiB).
+"""
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import fields
+from functools import partial
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.config import (
+    ATTENTION_BACKENDS,
+    DTYPES,
+    LOAD_FORMATS,
+    QUANTIZATIONS,
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    default_of,
+    engine_config_from_flat,
+)
+
+GIB = 1 << 30
+# Fields with no flag of their own name: the nested configs, and kv_cache_bytes
+# (--kv-cache-gib).
+_NOT_FLAGS = ("cache", "scheduler", "kv_cache_bytes")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    engine = partial(default_of, EngineConfig)
+    cache = partial(default_of, CacheConfig)
+    sched = partial(default_of, SchedulerConfig)
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None,
                    help="model directory or .gguf file (default: bundled SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    g.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--kv-cache-gib", type=float, default=1.0,
+    g.add_argument("--dtype", default=engine("dtype"), choices=DTYPES)
+    g.add_argument("--device", default=engine("device"), help="cpu, cuda or cuda:N")
+    g.add_argument("--seed", type=int, default=engine("seed"))
+    g.add_argument("--load-format", default=engine("load_format"), choices=LOAD_FORMATS,
+                   help="dummy: random weights from config.json alone (benchmarks)")
+    g.add_argument("--block-size", type=int, default=cache("block_size"))
+    g.add_argument("--kv-cache-gib", type=float, default=cache("kv_cache_bytes") / GIB,
                    help="KV cache size on the CPU, in GiB")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--num-blocks", type=int, default=None, help="override the KV cache size")
-    g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
-    g.add_argument("--quantization", default=None, choices=["gptq", "awq"],
+    g.add_argument("--gpu-memory-utilization", type=float,
+                   default=cache("gpu_memory_utilization"))
+    g.add_argument("--num-blocks", type=int, default=cache("num_blocks"),
+                   help="override the KV cache size")
+    g.add_argument("--prefix-caching", dest="enable_prefix_caching",
+                   action=argparse.BooleanOptionalAction,
+                   default=cache("enable_prefix_caching"))
+    g.add_argument("--max-model-len", type=int, default=sched("max_model_len"))
+    g.add_argument("--max-num-seqs", type=int, default=sched("max_num_seqs"))
+    g.add_argument("--max-num-batched-tokens", type=int,
+                   default=sched("max_num_batched_tokens"))
+    g.add_argument("--max-n", type=int, default=sched("max_n"),
+                   help="the most completions one request may ask for")
+    g.add_argument("--attention-backend", default=engine("attention_backend"),
+                   choices=ATTENTION_BACKENDS)
+    g.add_argument("--quantization", default=engine("quantization"), choices=QUANTIZATIONS,
                    help="insist on a checkpoint quantized this way (default: as it is)")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+    g.add_argument("--tensor-parallel-size", "-tp", type=int,
+                   default=engine("tensor_parallel_size"),
                    help="split the model across this many processes (GPUs on CUDA)")
-    g.add_argument("--enforce-eager", action="store_true",
+    g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction,
+                   default=engine("enforce_eager"),
                    help="on CUDA, run decode steps eagerly instead of replaying CUDA graphs")
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        seed=args.seed,
-        attention_backend=args.attention_backend,
-        enforce_eager=args.enforce_eager,
-        tensor_parallel_size=args.tensor_parallel_size,
-        quantization=args.quantization,
-        cache=CacheConfig(
-            block_size=args.block_size,
-            kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)),
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            num_blocks=args.num_blocks,
-            enable_prefix_caching=not args.no_prefix_caching,
-        ),
-        scheduler=SchedulerConfig(
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=args.max_model_len,
-        ),
-    )
+    flat = {f.name: getattr(args, f.name) for cls in (EngineConfig, CacheConfig, SchedulerConfig)
+            for f in fields(cls) if f.name not in _NOT_FLAGS}
+    flat["kv_cache_bytes"] = int(args.kv_cache_gib * GIB)
+    return engine_config_from_flat(**flat)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +11,14 @@ from engine.quantization import QuantConfig
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
-_DTYPES = ("float32", "float16", "bfloat16")
+# The dtype names an engine runs in, with their bytes per element: the one
+# table (configs, flags and the KV wire layout use the names; engine/dtypes.py
+# maps them to torch dtypes, keeping this module importable without torch).
+DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
+DTYPES = tuple(DTYPE_SIZES)
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+LOAD_FORMATS = ("auto", "dummy")
+QUANTIZATIONS = ("gptq", "awq")
 _REQUIRED_KEYS = (
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
 )
@@ -193,9 +200,9 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
-        if self.quantization is not None and self.quantization not in ("gptq", "awq"):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(
                 f"quantization must be 'gptq' or 'awq' (or unset), got {self.quantization!r}"
             )
@@ -203,10 +210,36 @@ class EngineConfig:
             raise ValueError(
                 f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"
             )
-        if self.load_format not in ("auto", "dummy"):
+        if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
-        if self.attention_backend not in ("auto", "torch", "triton"):
+        if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be 'auto', 'torch' or 'triton', "
                 f"got {self.attention_backend!r}"
             )
+
+
+def default_of(cls: type, name: str) -> Any:
+    """The default of field ``name`` of the config dataclass ``cls``.
+
+    The dataclasses are where defaults are said; command-line flags and
+    keyword arguments take theirs from here so that they cannot drift apart.
+    """
+    for f in fields(cls):
+        if f.name == name:
+            if f.default is not MISSING:
+                return f.default
+            if f.default_factory is not MISSING:
+                return f.default_factory()
+            raise ValueError(f"{cls.__name__}.{name} has no default")
+    raise AttributeError(f"{cls.__name__} has no field {name!r}")
+
+
+def engine_config_from_flat(model: str | None, **kwargs: Any) -> EngineConfig:
+    """An EngineConfig from flat keyword arguments, each the name of a field of
+    EngineConfig, CacheConfig or SchedulerConfig (the names do not overlap)."""
+    nested: dict[str, Any] = {}
+    for name, cls in (("cache", CacheConfig), ("scheduler", SchedulerConfig)):
+        mine = {f.name for f in fields(cls)}
+        nested[name] = cls(**{k: kwargs.pop(k) for k in list(kwargs) if k in mine})
+    return EngineConfig(model=model, **kwargs, **nested)  # type: ignore[arg-type]

@@ -12,6 +12,7 @@ import torch
 from engine.attention import get_attention_backend
 from engine.batch import StepBatch
 from engine.config import EngineConfig, ModelConfig
+from engine.dtypes import torch_dtype
 from engine.kv_blocks import KVBlocks
 from engine.loader.weights import iterate_weights
 from engine.models import build_model
@@ -27,7 +28,7 @@ class ModelShard:
         self.model_cfg = model_cfg
         self.tp = tp
         self.device = torch.device(config.device)
-        self.dtype = getattr(torch, config.dtype)
+        self.dtype = torch_dtype(config.dtype)
         self.block_size = config.cache.block_size
         self.backend = get_attention_backend(config.attention_backend, config.device)
         torch.manual_seed(config.seed)

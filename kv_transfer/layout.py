@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from engine.config import DTYPE_SIZES
 from rpc.errors import LayoutMismatch
 from rpc.protos import worker_pb2
 
@@ -26,7 +27,7 @@ class KVLayout:
     @property
     def block_bytes_per_layer(self) -> int:
         """K and V of one block in one layer."""
-        elem = {"float32": 4, "float16": 2, "bfloat16": 2}[self.dtype]
+        elem = DTYPE_SIZES[self.dtype]
         return 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
 
     def to_proto(self) -> worker_pb2.KVLayout:

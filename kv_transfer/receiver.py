@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.dtypes import TORCH_DTYPES
 from engine.kv_blocks import KVBlockView
 from kv_transfer.block_io import from_bytes
 from kv_transfer.layout import KVLayout
@@ -28,7 +29,6 @@ logger = logging.getLogger("kv_transfer")
 
 # Largest preflight payload a decode worker accepts to receive and drop.
 MAX_PREFLIGHT_BYTES = 64 << 20
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass

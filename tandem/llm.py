@@ -6,7 +6,13 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.config import (
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    default_of,
+    engine_config_from_flat,
+)
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -17,44 +23,34 @@ Prompt = str | Sequence[int]
 def engine_config(
     model: str | None = None,
     *,
-    dtype: str = "float32",
-    device: str = "cpu",
-    block_size: int = 16,
-    max_model_len: int | None = None,
-    max_num_seqs: int = 256,
-    max_num_batched_tokens: int = 2048,
-    enable_prefix_caching: bool = True,
-    seed: int = 0,
-    kv_cache_bytes: int = 2 << 30,
-    gpu_memory_utilization: float = 0.9,
-    num_blocks: int | None = None,
-    attention_backend: str = "auto",
-    load_format: str = "auto",
-    enforce_eager: bool = False,
-    tensor_parallel_size: int = 1,
-    quantization: str | None = None,
-    max_n: int = 16,
+    dtype: str = default_of(EngineConfig, "dtype"),
+    device: str = default_of(EngineConfig, "device"),
+    block_size: int = default_of(CacheConfig, "block_size"),
+    max_model_len: int | None = default_of(SchedulerConfig, "max_model_len"),
+    max_num_seqs: int = default_of(SchedulerConfig, "max_num_seqs"),
+    max_num_batched_tokens: int = default_of(SchedulerConfig, "max_num_batched_tokens"),
+    enable_prefix_caching: bool = default_of(CacheConfig, "enable_prefix_caching"),
+    seed: int = default_of(EngineConfig, "seed"),
+    kv_cache_bytes: int = default_of(CacheConfig, "kv_cache_bytes"),
+    gpu_memory_utilization: float = default_of(CacheConfig, "gpu_memory_utilization"),
+    num_blocks: int | None = default_of(CacheConfig, "num_blocks"),
+    attention_backend: str = default_of(EngineConfig, "attention_backend"),
+    load_format: str = default_of(EngineConfig, "load_format"),
+    enforce_eager: bool = default_of(EngineConfig, "enforce_eager"),
+    tensor_parallel_size: int = default_of(EngineConfig, "tensor_parallel_size"),
+    quantization: str | None = default_of(EngineConfig, "quantization"),
+    max_n: int = default_of(SchedulerConfig, "max_n"),
 ) -> EngineConfig:
-    """Build an EngineConfig from vLLM-style keyword arguments."""
-    return EngineConfig(
-        model=model,  # type: ignore[arg-type]  # None: the bundled default model
-        dtype=dtype,
-        device=device,
-        seed=seed,
-        attention_backend=attention_backend,
-        load_format=load_format,
-        enforce_eager=enforce_eager,
-        tensor_parallel_size=tensor_parallel_size,
-        quantization=quantization,
-        cache=CacheConfig(
-            block_size=block_size, kv_cache_bytes=kv_cache_bytes,
-            gpu_memory_utilization=gpu_memory_utilization, num_blocks=num_blocks,
-            enable_prefix_caching=enable_prefix_caching,
-        ),
-        scheduler=SchedulerConfig(
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len, max_n=max_n,
-        ),
+    """Build an EngineConfig from vLLM-style keyword arguments (defaults: the
+    config dataclasses')."""
+    return engine_config_from_flat(
+        model, dtype=dtype, device=device, seed=seed, attention_backend=attention_backend,
+        load_format=load_format, enforce_eager=enforce_eager,
+        tensor_parallel_size=tensor_parallel_size, quantization=quantization,
+        block_size=block_size, kv_cache_bytes=kv_cache_bytes,
+        gpu_memory_utilization=gpu_memory_utilization, num_blocks=num_blocks,
+        enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, max_n=max_n,
     )
 
 

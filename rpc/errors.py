@@ -29,10 +29,23 @@ class Overloaded(TandemError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
-class Draining(TandemError):
-    """Shutting down; go elsewhere (REST 503, UNAVAILABLE)."""
+class Unavailable(TandemError):
+    """A server could not be reached or would not take the call; another
+    may (UNAVAILABLE). What a failed call's UNAVAILABLE stands for: the
+    caller cannot tell a draining peer from a dead one."""
 
     code = grpc.StatusCode.UNAVAILABLE
+
+
+class Draining(Unavailable):
+    """This server is shutting down; go elsewhere (REST 503, UNAVAILABLE)."""
+
+
+class Unimplemented(TandemError):
+    """This server's role does not serve the call (a prefill worker does
+    not decode)."""
+
+    code = grpc.StatusCode.UNIMPLEMENTED
 
 
 class LayoutMismatch(TandemError):
@@ -58,7 +71,8 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
 _FROM_CODE = {
     grpc.StatusCode.NOT_FOUND: NotFound,
     grpc.StatusCode.RESOURCE_EXHAUSTED: Overloaded,
-    grpc.StatusCode.UNAVAILABLE: Draining,
+    grpc.StatusCode.UNAVAILABLE: Unavailable,
+    grpc.StatusCode.UNIMPLEMENTED: Unimplemented,
     grpc.StatusCode.FAILED_PRECONDITION: LayoutMismatch,
     grpc.StatusCode.ABORTED: Fenced,
 }

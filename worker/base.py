@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
 
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
 from kv_transfer.block_io import layout_of
-from rpc.errors import Draining
+from rpc.errors import Draining, Unimplemented
 from rpc.protos import worker_pb2
 from worker.metrics import WorkerMetrics
 
@@ -48,6 +49,35 @@ class WorkerBase:
 
     def transports(self) -> list[str]:
         return []
+
+    # ---- what a role serves ------------------------------------------------------------
+    # Each RPC of a role has a default here that answers UNIMPLEMENTED: the
+    # servicer calls methods, never names; a role overrides what it serves.
+
+    def _unimplemented(self, rpc: str) -> Unimplemented:
+        return Unimplemented(f"a {self.role} worker does not serve {rpc}")
+
+    async def reserve(self, req: worker_pb2.ReserveRequest) -> worker_pb2.Ticket:
+        raise self._unimplemented("Reserve")
+
+    async def prefill(self, req: worker_pb2.PrefillRequest) -> worker_pb2.PrefillResponse:
+        raise self._unimplemented("Prefill")
+
+    async def decode(self, req: worker_pb2.DecodeRequest) -> AsyncIterator[worker_pb2.DecodeChunk]:
+        raise self._unimplemented("Decode")
+        yield  # NOTE: unreachable; makes this an async generator like a role's own
+
+    async def receive_grpc(self, chunks: AsyncIterator[worker_pb2.KVChunk]) -> int:
+        raise self._unimplemented("PushKV")
+
+    async def receive_torch(self, req: worker_pb2.ExpectKVRequest) -> int:
+        raise self._unimplemented("ExpectKV")
+
+    async def open_group(self, req: worker_pb2.OpenTransferGroupRequest) -> None:
+        raise self._unimplemented("OpenTransferGroup")
+
+    async def receive_preflight(self, chunks: AsyncIterator[worker_pb2.PreflightChunk]) -> int:
+        raise self._unimplemented("Preflight")
 
     async def abort(self, request_id: str) -> bool:
         found = request_id in self.inflight or request_id in self.engine.scheduler.requests

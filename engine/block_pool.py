@@ -2,7 +2,8 @@
 
 A block is *free* when no request holds it (``ref_cnt == 0``); a free block
 may still hold a cached prefix (``block_hash`` set) and can be revived by a
-cache hit until it is handed out again. Blocks are handed out from the head of
+cache hit until it is handed out again. A cached block keeps the bytes its
+digest was computed from, and a hit must match them too (engine/prefix_hash.py). Blocks are handed out from the head of
 the free queue (least recently freed first), so cached prefixes survive as
 long as possible.
 """
@@ -11,17 +12,21 @@ from __future__ import annotations
 
 
 class KVBlock:
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev", "next")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "preimage", "prev", "next")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
-        self.block_hash: int | None = None
+        # Set while the block is in the prefix cache: its chained digest, and
+        # the parent digest + packed token ids that digest was computed from.
+        self.block_hash: bytes | None = None
+        self.preimage: bytes | None = None
         self.prev: KVBlock | None = None
         self.next: KVBlock | None = None
 
     def __repr__(self) -> str:
-        return f"KVBlock({self.block_id}, ref={self.ref_cnt}, hash={self.block_hash})"
+        digest = self.block_hash.hex()[:12] if self.block_hash is not None else None
+        return f"KVBlock({self.block_id}, ref={self.ref_cnt}, hash={digest})"
 
 
 class FreeBlockQueue:
@@ -81,7 +86,7 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
-        self._cached: dict[int, KVBlock] = {}
+        self._cached: dict[bytes, KVBlock] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -104,8 +109,17 @@ class BlockPool:
             out.append(block)
         return out
 
-    def lookup(self, block_hash: int) -> KVBlock | None:
-        return self._cached.get(block_hash)
+    def lookup(self, block_hash: bytes, preimage: bytes | None = None) -> KVBlock | None:
+        """The cached block of this digest, if it holds the same content: its
+        digest and, when ``preimage`` is given (the KV cache manager always
+        gives it), the bytes the digest was computed from must be equal, so a
+        colliding key is a miss."""
+        block = self._cached.get(block_hash)
+        if block is None or block.block_hash != block_hash:
+            return None
+        if preimage is not None and block.preimage != preimage:
+            return None
+        return block
 
     def touch(self, blocks: list[KVBlock]) -> None:
         """Take one more reference on each block (a cache hit or a fork)."""
@@ -124,13 +138,18 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
 
-    def cache(self, block: KVBlock, block_hash: int) -> None:
-        """Publish a full block under its chained hash."""
+    def cache(self, block: KVBlock, block_hash: bytes, preimage: bytes) -> None:
+        """Publish a full block under its chained digest, keeping the bytes
+        the digest was computed from for lookups to compare."""
         if not self.enable_caching or block.block_hash is not None:
             return
         if block_hash in self._cached:
-            return  # an identical block is cached already; keep the first one
+            # An identical block is cached already (or, were the digest ever
+            # to collide, a different one: lookups tell them apart by the
+            # preimage); keep the first one.
+            return
         block.block_hash = block_hash
+        block.preimage = preimage
         self._cached[block_hash] = block
 
     def reset_prefix_cache(self) -> None:
@@ -141,4 +160,4 @@ class BlockPool:
         if block.block_hash is not None:
             if self._cached.get(block.block_hash) is block:
                 del self._cached[block.block_hash]
-            block.block_hash = None
+            block.block_hash = block.preimage = None

@@ -14,19 +14,9 @@ Block table of a request with block_size 4 and 10 tokens::
 from __future__ import annotations
 
 from engine.block_pool import BlockPool, KVBlock
+from engine.prefix_hash import block_preimage, hash_blocks
+from engine.prefix_hash import hash_block as hash_block  # re-exported: tests chain digests
 from engine.request import Request
-
-
-def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    """Chained hash: a block's hash covers every token before it too.
-
-    NOTE: the first block chains from a constant, not None: on Python 3.11
-    hash(None) depends on the object's address, and the same prompt should
-    hash the same in every process."""
-    return hash((_ROOT_HASH if parent_hash is None else parent_hash, token_ids))
-
-
-_ROOT_HASH = 0x7A4D3E
 
 
 class KVCacheManager:
@@ -63,11 +53,14 @@ class KVCacheManager:
         self._update_hashes(request, request.num_tokens)
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVBlock] = []
-        for block_hash in request.block_hashes[:max_blocks]:
-            block = self.pool.lookup(block_hash)
+        parent = None
+        for i, block_hash in enumerate(request.block_hashes[:max_blocks]):
+            tokens = request.token_ids[i * self.block_size : (i + 1) * self.block_size]
+            block = self.pool.lookup(block_hash, block_preimage(parent, tokens))
             if block is None:
                 break
             hits.append(block)
+            parent = block_hash
         self.prefix_queries += request.num_tokens
         self.prefix_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
@@ -125,8 +118,11 @@ class KVCacheManager:
             return
         self._update_hashes(request, num_full * self.block_size)
         blocks = self._blocks[request.request_id]
+        hashes, bs = request.block_hashes, self.block_size
         for i in range(done, num_full):
-            self.pool.cache(blocks[i], request.block_hashes[i])
+            preimage = block_preimage(hashes[i - 1] if i else None,
+                                      request.token_ids[i * bs : (i + 1) * bs])
+            self.pool.cache(blocks[i], hashes[i], preimage)
         self._num_cached[request.request_id] = num_full
 
     def fork(self, parent: Request, child: Request, num_tokens: int) -> None:
@@ -150,9 +146,11 @@ class KVCacheManager:
         return len(self._blocks.get(request_id, ()))
 
     def _update_hashes(self, request: Request, num_tokens: int) -> None:
+        """Extend the request's chained block digests to its full blocks
+        among the first ``num_tokens`` tokens (engine/prefix_hash.py)."""
         bs = self.block_size
         hashes = request.block_hashes
-        parent = hashes[-1] if hashes else None
-        for i in range(len(hashes), num_tokens // bs):
-            parent = hash_block(parent, tuple(request.token_ids[i * bs : (i + 1) * bs]))
-            hashes.append(parent)
+        start, end = len(hashes) * bs, num_tokens // bs * bs
+        if end > start:
+            hashes.extend(hash_blocks(hashes[-1] if hashes else None,
+                                      request.token_ids[start:end], bs))

@@ -55,8 +55,9 @@ class Request:
         # Prompt tokens found in the prefix cache the first time it was scheduled.
         self.num_cached_tokens = 0
         self.block_ids: list[int] = []
-        # Chained hashes of this request's full blocks, grown as blocks fill.
-        self.block_hashes: list[int] = []
+        # Chained digests of this request's full blocks, grown as blocks fill
+        # (engine/prefix_hash.py).
+        self.block_hashes: list[bytes] = []
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0

@@ -10,6 +10,7 @@ import pytest
 
 from engine.block_pool import BlockPool, FreeBlockQueue, KVBlock
 from engine.kv_cache_manager import KVCacheManager, hash_block
+from engine.prefix_hash import block_preimage
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 
@@ -22,6 +23,15 @@ def req(rid: str, tokens: list[int], **params) -> Request:
 
 def toks(start: int, n: int) -> list[int]:
     return list(range(start, start + n))
+
+
+def digest(n: int) -> bytes:
+    """The digest of a one-block prompt ``[n]``: a key for the pool tests."""
+    return hash_block(None, [n])
+
+
+def cache(pool: BlockPool, block: KVBlock, n: int) -> None:
+    pool.cache(block, digest(n), block_preimage(None, [n]))
 
 
 def ref_counts(kv: KVCacheManager, ids: list[int]) -> list[int]:
@@ -84,24 +94,24 @@ def test_pool_evicts_cached_blocks_in_lru_order():
     pool = BlockPool(4)
     blocks = pool.allocate(4)
     for b, h in zip(blocks, (10, 11, 12, 13)):
-        pool.cache(b, h)
+        cache(pool, b, h)
     pool.free([blocks[3], blocks[1], blocks[0], blocks[2]])  # free order = eviction order
     assert pool.free_queue.block_ids() == [3, 1, 0, 2]
-    assert all(pool.lookup(h) is not None for h in (10, 11, 12, 13))
+    assert all(pool.lookup(digest(h)) is not None for h in (10, 11, 12, 13))
     got = pool.allocate(2)
     assert [b.block_id for b in got] == [3, 1]
-    assert pool.lookup(13) is None and pool.lookup(11) is None  # evicted on reuse
-    assert pool.lookup(10) is blocks[0] and pool.lookup(12) is blocks[2]
+    assert pool.lookup(digest(13)) is None and pool.lookup(digest(11)) is None  # evicted
+    assert pool.lookup(digest(10)) is blocks[0] and pool.lookup(digest(12)) is blocks[2]
     assert got[0].block_hash is None
 
 
 def test_pool_touch_revives_a_free_cached_block_and_counts_refs():
     pool = BlockPool(3)
     b0, b1, _ = pool.allocate(3)
-    pool.cache(b1, 7)
+    cache(pool, b1, 7)
     pool.free([b1, b0])
     assert pool.free_queue.block_ids() == [1, 0]
-    hit = pool.lookup(7)
+    hit = pool.lookup(digest(7))
     pool.touch([hit])  # out of the middle of the free queue
     assert hit is b1 and b1.ref_cnt == 1 and pool.free_queue.block_ids() == [0]
     pool.touch([b1])
@@ -109,24 +119,33 @@ def test_pool_touch_revives_a_free_cached_block_and_counts_refs():
     pool.free([b1])
     assert b1.ref_cnt == 1 and pool.free_queue.block_ids() == [0]
     pool.free([b1])
-    assert pool.free_queue.block_ids() == [0, 1] and pool.lookup(7) is b1
+    assert pool.free_queue.block_ids() == [0, 1] and pool.lookup(digest(7)) is b1
 
 
 def test_pool_keeps_the_first_of_two_identical_blocks():
     pool = BlockPool(2)
     b0, b1 = pool.allocate(2)
-    pool.cache(b0, 5)
-    pool.cache(b1, 5)
-    assert pool.lookup(5) is b0 and b1.block_hash is None
+    cache(pool, b0, 5)
+    cache(pool, b1, 5)
+    assert pool.lookup(digest(5)) is b0 and b1.block_hash is None
     pool.reset_prefix_cache()
-    assert pool.lookup(5) is None and b0.block_hash is None
+    assert pool.lookup(digest(5)) is None and b0.block_hash is None and b0.preimage is None
+
+
+def test_pool_hit_needs_the_same_preimage():
+    pool = BlockPool(2)
+    b0, _ = pool.allocate(2)
+    cache(pool, b0, 5)
+    assert pool.lookup(digest(5), block_preimage(None, [5])) is b0
+    assert pool.lookup(digest(5), block_preimage(None, [6])) is None  # same key, other content
+    assert pool.lookup(digest(5), block_preimage(digest(4), [5])) is None  # other parent
 
 
 def test_pool_with_caching_off_caches_nothing():
     pool = BlockPool(2, enable_caching=False)
     (b,) = pool.allocate(1)
-    pool.cache(b, 5)
-    assert pool.lookup(5) is None and b.block_hash is None
+    cache(pool, b, 5)
+    assert pool.lookup(digest(5)) is None and b.block_hash is None
 
 
 def test_pool_needs_a_block():
@@ -157,8 +176,8 @@ def test_full_blocks_are_published_with_chained_hashes():
     kv = KVCacheManager(8, BS)
     a = req("a", toks(100, 10))
     kv.allocate_slots(a, 10)
-    h0 = hash_block(None, tuple(toks(100, 4)))
-    h1 = hash_block(h0, tuple(toks(104, 4)))
+    h0 = hash_block(None, toks(100, 4))
+    h1 = hash_block(h0, toks(104, 4))
     assert a.block_hashes == [h0, h1]  # the partial third block has no hash
     assert kv.pool.lookup(h0).block_id == 0 and kv.pool.lookup(h1).block_id == 1
     assert kv.pool.blocks[2].block_hash is None

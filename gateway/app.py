@@ -10,9 +10,10 @@ import signal
 
 import uvicorn
 
+from gateway.config import GatewayConfig
 from gateway.grpc_api import GenerationServicer
 from gateway.openai_api import build_app
-from gateway.service import GatewayConfig, GatewayService
+from gateway.service import GatewayService
 from rpc.protos import generation_pb2, generation_pb2_grpc
 from rpc.server import GrpcServer
 

@@ -6,6 +6,7 @@ generator is closed, and the orchestrator aborts what it started).
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 
 from opentelemetry import context as otel_context
@@ -30,7 +31,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         else:
             raise ValueError("prompt must not be empty")
         if not request.params.max_tokens:
-            params.max_tokens = min(16, service.default_max_tokens(prompt))
+            # NOTE: a new, validated object: the default needs the prompt's
+            # length, known only after tokenizing.
+            params = dataclasses.replace(
+                params, max_tokens=min(16, service.default_max_tokens(prompt)))
+        service.check_length(prompt, params)
         request_id = request.request_id or f"grpc-{uuid.uuid4().hex}"
         completion_tokens = 0
         cached = 0

@@ -8,7 +8,6 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from opentelemetry import context as otel_context
@@ -18,6 +17,7 @@ from engine.config import ModelConfig
 from engine.loader.resolve import model_fingerprint, resolve_model_dir
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
+from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
 from gateway.orchestrator import Orchestrator
 from gateway.router import WorkerPool
@@ -34,30 +34,6 @@ logger = logging.getLogger("gateway")
 
 class ModelNotFound(NotFound):
     pass
-
-
-@dataclass(frozen=True)
-class GatewayConfig:
-    model: str | None = None
-    served_model_name: str | None = None
-    prefill: tuple[str, ...] = ()
-    decode: tuple[str, ...] = ()  # decode or 'both' workers
-    state_url: str | None = None  # Redis; None: the in-process store
-    api_key: str | None = None
-    transport: str = "grpc"
-    max_model_len: int | None = None
-    max_active_requests: int = 256
-    lease_ms: int = 30_000
-    max_attempts: int = 3
-    finished_ttl_s: int = 3600
-    drain_grace_s: float = 10.0
-    extra: dict = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.transport not in ("grpc", "torch"):
-            raise ValueError(f"transport must be 'grpc' or 'torch', got {self.transport!r}")
-        if self.max_active_requests < 1:
-            raise ValueError("max_active_requests must be at least 1")
 
 
 class GatewayService:
@@ -133,9 +109,9 @@ class GatewayService:
                        request_id: str | None = None,
                        trace_parent: otel_context.Context | None = None,
                        ) -> AsyncIterator[Chunk]:
-        """Validated, admitted, measured generation. Raises Draining (503),
-        Overloaded (429) or ValueError (400) before the first chunk."""
-        self.check_length(prompt, params)
+        """Admitted, measured generation of a prompt and parameters the
+        caller has checked (``check_length``). Raises Draining (503) or
+        Overloaded (429) before the first chunk."""
         if self.draining:
             raise Draining("the server is shutting down")
         if self.active >= self.config.max_active_requests:

@@ -1,0 +1,91 @@
+"""The gateway's settings, and the command-line flags made from them.
+
+``GatewayConfig``'s fields are the only source of each default: every
+field has a flag (named in its metadata when the name is not the field's
+own), typed from its annotation, so the two cannot drift.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+TRANSPORTS = ("grpc", "torch")
+
+
+def _opt(default: Any, help: str = "", flag: str | None = None, env: str | None = None,
+         choices: tuple[str, ...] | None = None, cli: bool = True) -> Any:
+    """A field with its flag's settings: ``flag`` when not ``--field-name``,
+    ``env`` the environment variable that overrides the default."""
+    meta = {"help": help, "flag": flag, "env": env, "choices": choices, "cli": cli}
+    if isinstance(default, dict):
+        return field(default_factory=dict, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    model: str | None = _opt(None, "the model the workers serve (for the tokenizer); "
+                                   "default SmolLM2")
+    served_model_name: str | None = _opt(None)
+    prefill: tuple[str, ...] = _opt((), "prefill worker address")
+    decode: tuple[str, ...] = _opt((), "decode (or 'both') worker address")
+    state_url: str | None = _opt(None, "Redis URL for request state and worker registration "
+                                       "(default $REDIS_URL; none: in-process)", env="REDIS_URL")
+    api_key: str | None = _opt(None, env="TANDEM_API_KEY")
+    transport: str = _opt("grpc", choices=TRANSPORTS)
+    max_model_len: int | None = _opt(None)
+    max_active_requests: int = _opt(256)
+    lease_ms: int = _opt(30_000, "how long a decode worker holds blocks reserved for a "
+                                 "prompt (plus 25 ms per prompt token)")
+    max_attempts: int = _opt(3, "attempts per completion before it fails")
+    finished_ttl_s: int = _opt(3600, "seconds finished request records are kept",
+                               flag="--finished-ttl")
+    drain_grace_s: float = _opt(10.0, flag="--grace")
+    extra: dict = _opt({}, cli=False)
+
+    def __post_init__(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be 'grpc' or 'torch', got {self.transport!r}")
+        if self.max_active_requests < 1:
+            raise ValueError("max_active_requests must be at least 1")
+
+
+def cli_fields() -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(GatewayConfig) if f.metadata.get("cli", True)]
+
+
+def flag_of(f: dataclasses.Field) -> str:
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per field of ``GatewayConfig``."""
+    hints = typing.get_type_hints(GatewayConfig)
+    for f in cli_fields():
+        kind = hints[f.name]
+        kw: dict[str, Any] = {"dest": f.name, "help": f.metadata.get("help") or None}
+        if typing.get_origin(kind) is tuple:  # repeated: --prefill A --prefill B
+            kw.update(action="append", type=typing.get_args(kind)[0], default=[])
+        else:
+            if isinstance(kind, types.UnionType):  # X | None
+                kind = next(a for a in typing.get_args(kind) if a is not type(None))
+            env = f.metadata.get("env")
+            default = os.environ.get(env, f.default) if env else f.default
+            kw.update(type=kind, default=default)
+            if f.metadata.get("choices"):
+                kw["choices"] = list(f.metadata["choices"])
+        parser.add_argument(flag_of(f), **kw)
+
+
+def from_args(args: argparse.Namespace) -> GatewayConfig:
+    values = {}
+    for f in cli_fields():
+        value = getattr(args, f.name)
+        values[f.name] = tuple(value) if isinstance(value, list) else value
+    return GatewayConfig(**values)

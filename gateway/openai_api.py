@@ -16,9 +16,10 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST
+from sse_starlette import EventSourceResponse
 
 from gateway.fan_in import FanIn
 from gateway.openai_render import ChatRenderer, CompletionRenderer
@@ -262,17 +263,18 @@ async def _first(merged: AsyncIterator) -> Any:
         return None
 
 
-def _sse(events: AsyncIterator[dict]) -> StreamingResponse:
+def _sse(events: AsyncIterator[dict]) -> EventSourceResponse:
     async def body():
         try:
             async for event in events:
-                yield f"data: {json.dumps(event)}\n\n"
+                yield json.dumps(event)
         except Exception as exc:  # after the stream began: an error event, then the end
             if not isinstance(exc, ValueError | TandemError):
                 logger.exception("unexpected error in a stream")  # the client sees only 500
-            payload = json.loads(error_response(exc).body)
-            yield f"data: {json.dumps(payload)}\n\n"
-        yield "data: [DONE]\n\n"
+            yield json.dumps(json.loads(error_response(exc).body))
+        yield "[DONE]"
 
-    return StreamingResponse(body(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    # NOTE: "\n" and no keep-alive comments: the bytes OpenAI's servers send
+    # (`data: {...}\n\n`, then `data: [DONE]`), which some clients parse by hand.
+    return EventSourceResponse(body(), sep="\n", ping=0,
+                               headers={"Cache-Control": "no-cache"})

@@ -32,6 +32,7 @@ import httpx
 import openai
 import pytest
 from engine_fixtures import tiny_with_tokenizer
+from httpx_sse import EventSource
 from worker_fixtures import Worker, start_worker
 
 from rpc.protos import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -194,12 +195,8 @@ def assert_error(response: httpx.Response, status: int) -> dict:
 
 def iter_sse(response: httpx.Response) -> Iterator[dict | str]:
     """The events of a server-sent event stream: parsed JSON, or "[DONE]"."""
-    for line in response.iter_lines():
-        if not line.startswith("data: "):
-            assert not line.strip(), f"unexpected SSE line {line!r}"
-            continue
-        data = line[len("data: "):]
-        yield data if data == "[DONE]" else json.loads(data)
+    for event in EventSource(response).iter_sse():
+        yield event.data if event.data == "[DONE]" else json.loads(event.data)
 
 
 def stream_text(events: Iterable[dict | str]) -> str:

@@ -111,7 +111,7 @@ def test_openai_client_records_a_stream_with_known_timings():
 
     def handler(request: httpx.Request) -> httpx.Response:
         seen.update(json.loads(request.content))
-        return httpx.Response(200, content=body())
+        return httpx.Response(200, content=body(), headers={"content-type": "text/event-stream"})
 
     async def go():
         client = OpenAIClient("http://fake", "m", None, 0.0, True, 10.0,

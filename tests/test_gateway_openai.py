@@ -5,6 +5,8 @@ one smoke test on the real SmolLM2."""
 
 from __future__ import annotations
 
+import json
+
 import openai
 import pytest
 from gateway_fixtures import (
@@ -114,6 +116,24 @@ def test_streaming_completion_matches_non_streamed(client):
                                             stream=True, **GREEDY))
     assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
     assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_stream_wire_format_is_openais(gateway):
+    """The bytes of a stream, as OpenAI's servers send them: each event one
+    `data: {json}` line and a blank line, no comments or other fields, and
+    `data: [DONE]` last."""
+    body = {"model": SERVED, "prompt": PROMPT, "max_tokens": 5, "stream": True,
+            "temperature": 0, "ignore_eos": True}
+    with gateway.http() as http, http.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        raw = b"".join(r.iter_bytes()).decode()
+    assert raw.endswith("\n\ndata: [DONE]\n\n") and "\r" not in raw
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    for event in events[:-2]:
+        assert event.startswith("data: {") and "\n" not in event, event
+        assert json.loads(event[len("data: "):])["object"] == "text_completion"
 
 
 def test_n_2(client):

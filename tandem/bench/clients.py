@@ -13,6 +13,7 @@ import time
 from typing import Protocol
 
 import httpx
+from httpx_sse import aconnect_sse
 
 from tandem.bench.datasets import BenchRequest
 from tandem.bench.metrics import RequestRecord
@@ -65,18 +66,17 @@ class OpenAIClient:
         record = RequestRecord(prompt_len=request.prompt_len)
         record.start = time.perf_counter()
         try:
-            async with self.http.stream("POST", self.url, json=self.body(request)) as response:
+            async with aconnect_sse(self.http, "POST", self.url,
+                                    json=self.body(request)) as source:
+                response = source.response
                 if response.status_code != 200:
                     text = (await response.aread()).decode(errors="replace")
                     record.error = f"HTTP {response.status_code}: {text[:300]}"
                     return record
-                async for line in response.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
+                async for event in source.aiter_sse():
+                    if event.data == "[DONE]":
                         break
-                    self._event(record, json.loads(data), time.perf_counter())
+                    self._event(record, json.loads(event.data), time.perf_counter())
         except (httpx.HTTPError, json.JSONDecodeError) as exc:
             record.error = f"{type(exc).__name__}: {exc}"
         finally:

@@ -27,7 +27,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
+from sse_starlette import EventSourceResponse
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -169,18 +170,18 @@ def build_app(gen: HFGenerator, name: str):
             try:
                 async for d in deltas():
                     if isinstance(d, str):
-                        yield f"data: {json.dumps(event(d, None))}\n\n"
+                        yield json.dumps(event(d, None))
                         continue
-                    yield f"data: {json.dumps(event('', d['finish']))}\n\n"
+                    yield json.dumps(event('', d['finish']))
                     if include_usage:
                         last = {**event("", None), "choices": [],
                                 "usage": usage(d["completion_tokens"])}
-                        yield f"data: {json.dumps(last)}\n\n"
-                yield "data: [DONE]\n\n"
+                        yield json.dumps(last)
+                yield "[DONE]"
             finally:
                 cancelled.set()  # the client went away: stop generating
 
-        return StreamingResponse(sse(), media_type="text/event-stream")
+        return EventSourceResponse(sse(), sep="\n", ping=0)
 
     return app
 

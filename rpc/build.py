@@ -2,11 +2,19 @@
 
 The .proto files are the only source; this runs at install (``make protos``)
 and again whenever a .proto is newer than its generated module.
+
+NOTE: protoc names a generated module by the .proto's path under the
+include root, and imports its dependencies the same way. The files live at
+``protos/rpc/generated/tandem/v1/``, so with ``protos/`` as the root and the
+repository as the output, ``worker.proto`` becomes
+``rpc/generated/tandem/v1/worker_pb2.py`` importing
+``rpc.generated.tandem.v1.common_pb2``: no top-level ``tandem`` module to
+collide with the ``tandem`` package, and nothing to rewrite. The proto
+package (``tandem.v1``, the services' wire names) does not depend on it.
 """
 
 from __future__ import annotations
 
-import re
 import sys
 from pathlib import Path
 
@@ -15,11 +23,15 @@ PROTOS = ROOT / "protos"
 OUT = ROOT / "rpc" / "generated"
 
 
+def _protos() -> list[Path]:
+    """Every .proto, relative to the include root (= to the output root)."""
+    return sorted(p.relative_to(PROTOS) for p in PROTOS.rglob("*.proto"))
+
+
 def stale() -> bool:
-    for proto in PROTOS.rglob("*.proto"):
-        rel = proto.relative_to(PROTOS).with_suffix("")
-        generated = OUT / rel.parent / f"{rel.name}_pb2.py"
-        if not generated.exists() or generated.stat().st_mtime < proto.stat().st_mtime:
+    for rel in _protos():
+        generated = ROOT / rel.parent / f"{rel.stem}_pb2.py"
+        if not generated.exists() or generated.stat().st_mtime < (PROTOS / rel).stat().st_mtime:
             return True
     return False
 
@@ -27,22 +39,16 @@ def stale() -> bool:
 def build() -> None:
     from grpc_tools import protoc
 
-    protos = sorted(str(p.relative_to(PROTOS)) for p in PROTOS.rglob("*.proto"))
+    protos = [str(p) for p in _protos()]
     OUT.mkdir(parents=True, exist_ok=True)
     if protos:
         include = Path(protoc.__file__).parent / "_proto"
-        args = ["protoc", f"-I{PROTOS}", f"-I{include}", f"--python_out={OUT}",
-                f"--pyi_out={OUT}", f"--grpc_python_out={OUT}", *protos]
+        args = ["protoc", f"-I{PROTOS}", f"-I{include}", f"--python_out={ROOT}",
+                f"--pyi_out={ROOT}", f"--grpc_python_out={ROOT}", *protos]
         if protoc.main(args) != 0:
             raise SystemExit("protoc failed")
-    # Generated code imports its siblings as `tandem.v1...`, which would collide
-    # with the `tandem` Python package: root those imports under rpc.generated.
-    for path in OUT.rglob("*.py*"):
-        text = path.read_text()
-        fixed = re.sub(r"^from tandem\.", "from rpc.generated.tandem.", text, flags=re.M)
-        if fixed != text:
-            path.write_text(fixed)
-    for d in [OUT, *[p for p in OUT.rglob("*") if p.is_dir()]]:
+    # Regular packages, so that setuptools' package discovery finds them.
+    for d in [OUT, *[p for p in OUT.rglob("*") if p.is_dir() and p.name != "__pycache__"]]:
         (d / "__init__.py").touch()
 
 

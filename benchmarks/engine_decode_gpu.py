@@ -52,13 +52,14 @@ def bench_engine_decode(batches: list[int], prompt_len: int = 128, output_len: i
             prompt = [rng.randrange(1000, 100000) for _ in range(prompt_len)]
             engine.add_request(f"b{batch}-{i}", prompt, params)
         decode_start, decode_tokens, steps = None, 0, 0
+        started: set[str] = set()
         while engine.has_unfinished_requests():
             outs = engine.step()
             if device.startswith("cuda"):
                 torch.cuda.synchronize()
             if decode_start is None:
-                if all(r.num_output_tokens > 0 for r in engine.scheduler.running) and \
-                        not engine.scheduler.waiting:
+                started.update(o.request_id for o in outs)
+                if len(started) == batch:  # every prompt is in: decoding from here
                     decode_start = time.perf_counter()
                 continue
             steps += 1

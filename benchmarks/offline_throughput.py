@@ -154,7 +154,8 @@ def main() -> None:
         run_tandem(llm, warm)
         results["tandem"] = run_tandem(llm, work)
         print(f"tandem      {results['tandem'][0]:.1f}s", flush=True)
-        if llm.engine.kv.num_free_blocks != llm.engine.runner.num_blocks:
+        stats = llm.engine.stats()
+        if stats.num_free_blocks != stats.num_blocks:
             raise RuntimeError("tandem leaked KV blocks")
         del llm
     if {"hf-serial", "hf-static"} & set(systems):

@@ -1,9 +1,9 @@
 """Host overhead of one engine step against the model's forward time.
 
 With 256 requests all decoding, times separately, per step:
-``scheduler.schedule()``, ``engine.batch.flatten`` (flattening the batch
-into tensors), the model's forward and sampling, and ``scheduler.update`` +
-output processing. The model is SmolLM2-135M's architecture with random
+``scheduler.schedule()``, the runner's input preparation (applying the
+step's deltas to its persistent batch, flattening it into tensors), the
+model's forward and sampling, and ``scheduler.update`` + output processing. The model is SmolLM2-135M's architecture with random
 weights (nothing is downloaded), or a tiny one with ``--size tiny``.
 
     PYTHONPATH=. python benchmarks/step_overhead.py [--size smollm2|tiny] [--device cpu]
@@ -20,7 +20,6 @@ from pathlib import Path
 
 import torch
 
-from engine.batch import flatten
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from tandem.llm import engine_config
@@ -53,24 +52,34 @@ def measure(engine: LLMEngine, steps: int, device: str) -> dict[str, list[float]
         if device.startswith("cuda"):
             torch.cuda.synchronize()
 
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        out = sched.schedule()
-        t1 = time.perf_counter()
-        flatten(out, runner.block_size)[0].to_device(runner.device)  # timed alone; execute() again
+    batch = runner.input_batch
+    prepare = batch.prepare
+
+    def timed_prepare(out):  # inside execute(): apply deltas, flatten, move to the device
+        t = time.perf_counter()
+        step, rows = prepare(out)
+        step.to_device(runner.device)
         sync()
-        t2 = time.perf_counter()
-        result = runner.execute(out)
-        sync()
-        t3 = time.perf_counter()
-        changed = sched.update(out, result.sampled)
-        engine.outputs.process(changed)
-        t4 = time.perf_counter()
-        assert out.num_decodes == len(out.scheduled) == engine.scheduler.num_running
-        times["schedule"].append(t1 - t0)
-        times["prepare"].append(t2 - t1)
-        times["execute"].append(t3 - t2)
-        times["update"].append(t4 - t3)
+        times["prepare"].append(time.perf_counter() - t)
+        return step, rows
+
+    batch.prepare = timed_prepare
+    try:
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            out = sched.schedule()
+            t1 = time.perf_counter()
+            result = runner.execute(out)
+            sync()
+            t2 = time.perf_counter()
+            engine._process(sched.update(out, result))
+            t3 = time.perf_counter()
+            assert out.num_decodes == len(out.scheduled) == engine.stats().num_running
+            times["schedule"].append(t1 - t0)
+            times["execute"].append(t2 - t1)
+            times["update"].append(t3 - t2)
+    finally:
+        batch.prepare = prepare
     return times
 
 
@@ -96,22 +105,21 @@ def main() -> None:
     for i in range(args.num_requests):
         engine.add_request(f"r{i}", [rng.randrange(3, 500) for _ in range(args.prompt_len)],
                            params)
-    while engine.scheduler.waiting or any(
-        r.num_computed_tokens < r.num_tokens - 1 for r in engine.scheduler.running
-    ):
-        engine.step()  # the prefills
+    started: set[str] = set()
+    while len(started) < args.num_requests:  # the prefills, until each has its first token
+        started.update(out.request_id for out in engine.step())
     measure(engine, 3, args.device)  # warm up
     times = measure(engine, args.steps, args.device)
 
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-    forward = med["execute"] - med["prepare"]
+    forward = med["execute"] - med["prepare"]  # execute() includes the preparation
     host = med["schedule"] + med["prepare"] + med["update"]
     print(f"{args.size} on {args.device}: {args.num_requests} decoding requests, "
           f"median of {args.steps} steps")
     print(f"{'part':<34}{'ms/step':>10}")
     rows = [
         ("scheduler.schedule()", med["schedule"]),
-        ("flatten() + to_device()", med["prepare"]),
+        ("input batch + to_device()", med["prepare"]),
         ("scheduler.update() + outputs", med["update"]),
         ("host overhead (sum of the above)", host),
         ("forward + sampling", forward),

@@ -16,7 +16,6 @@ from opentelemetry import context as otel_context
 
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
-from engine.request import RequestStatus
 from kv_transfer.receiver import KVReceiver
 from rpc.convert import logprobs_from_proto, params_from_proto
 from rpc.errors import Fenced, NotFound, Overloaded
@@ -63,12 +62,7 @@ class DecodeWorker(WorkerBase):
         request_id = req.request_id
 
         def op(engine: LLMEngine) -> list[int] | None:
-            seq = engine.make_sequences(request_id, tokens, params)[0]
-            seq.num_computed_tokens = len(tokens)
-            if not engine.scheduler.reserve_remote(seq):
-                return None
-            engine.outputs.add(request_id, None, [seq])
-            return list(seq.block_ids)
+            return engine.reserve_remote(request_id, tokens, params)
 
         if request_id in self._reserving:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -89,7 +83,7 @@ class DecodeWorker(WorkerBase):
         if block_ids is None:
             raise Overloaded(
                 f"no room for {len(tokens)} prompt tokens "
-                f"({self.engine.kv.num_free_blocks} blocks free)"
+                f"({self.engine.stats().num_free_blocks} blocks free)"
             )
         lease_ms = req.lease_ms or DEFAULT_LEASE_MS
         self.leases[request_id] = time.monotonic() + lease_ms / 1000
@@ -196,17 +190,10 @@ class DecodeWorker(WorkerBase):
             else None
 
         def add(engine: LLMEngine) -> list[RequestOutput]:
-            seq = engine.scheduler.remote.get(request_id)
-            if seq is None:
-                raise NotFound(f"request {request_id!r} is no longer reserved")
-            if first_lp is not None and seq.params.logprobs is not None:
-                seq.logprobs.append(first_lp)
-            seq.first_token_time = time.monotonic()
-            engine.scheduler.start_remote(request_id, first)
-            outputs, stopped = engine.outputs.process([seq])
-            for sid in stopped:
-                engine.scheduler.finish(sid, RequestStatus.FINISHED_STOPPED)
-            return outputs
+            try:
+                return engine.start_remote(request_id, first, first_lp)
+            except KeyError:
+                raise NotFound(f"request {request_id!r} is no longer reserved") from None
 
         return add
 
@@ -218,18 +205,11 @@ class DecodeWorker(WorkerBase):
             raise ValueError("Decode serves one sequence (n=1); the gateway fans out n")
         prompt = list(req.prompt_token_ids)
         already = list(req.output_token_ids)
-        if len(already) >= params.max_tokens:
-            raise ValueError("the request already has max_tokens tokens")
         self.engine.validate(prompt, params)
         request_id = req.request_id
 
         def add(engine: LLMEngine) -> None:
-            seqs = engine.make_sequences(request_id, prompt, params)
-            seq = seqs[0]
-            seq.token_ids.extend(already)
-            engine.outputs.add(request_id, None, seqs)
-            engine.outputs.skip_sent(request_id, len(already))
-            engine.scheduler.add_request(seq)
+            engine.add_request(request_id, prompt, params, output_token_ids=already)
 
         return add
 

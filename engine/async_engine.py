@@ -70,9 +70,7 @@ class AsyncEngine:
         self.engine.validate(token_ids, params)
 
         def add(engine: LLMEngine) -> None:
-            seqs = engine.make_sequences(request_id, token_ids, params)
-            engine.outputs.add(request_id, prompt_text, seqs)
-            engine.scheduler.add_request(seqs[0])
+            engine.add_request(request_id, token_ids, params, prompt_text=prompt_text)
 
         # NOTE: aclosing, so that closing this generator closes the stream at
         # once (its finally aborts the request) instead of whenever the
@@ -185,7 +183,8 @@ class AsyncEngine:
                     future.set_exception(value)
             if failed is not None:  # the model failed: fail what was running, keep serving
                 logger.error("engine step failed", exc_info=failed)
-                aborted = await loop.run_in_executor(self._thread, self._abort_after_failure)
+                aborted = await loop.run_in_executor(self._thread,
+                                                     self.engine.recover_from_failed_step)
                 for request_id in aborted:
                     queue = self._streams.get(request_id)
                     if queue is not None:
@@ -194,7 +193,7 @@ class AsyncEngine:
                     self.unusable.set()  # also done by the watcher; harmless twice
                 continue
             self._dispatch(outputs)
-            if not ops and not outputs and not self.engine.scheduler.num_running:
+            if not ops and not outputs and not self.engine.stats().num_running:
                 # NOTE: requests wait but none fits (their blocks are held, e.g.
                 # by a decode worker's reservations), and nothing runs that could
                 # free blocks: only an op can change that. Wait for one instead
@@ -223,19 +222,6 @@ class AsyncEngine:
             except Exception as exc:
                 return results, outputs, exc
         return results, outputs, None
-
-    def _abort_after_failure(self) -> list[str]:
-        """Abort every request the failed step may have touched, and forget
-        the prefix cache: it published blocks the step never wrote.
-        Reservations waiting for remote KV are left alone: they were not in
-        the step, and a transfer may be writing their blocks."""
-        engine = self.engine
-        remote = set(engine.scheduler.remote)
-        ids = [rid for rid in engine.outputs.groups
-               if not any(s.request_id in remote for s in engine.outputs.sequences(rid))]
-        engine.abort_request(ids)
-        engine.kv.pool.reset_prefix_cache()
-        return ids
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

@@ -2,7 +2,8 @@
 
 The scheduler asks three questions here and never sees a ``KVBlock``:
 which of a new request's tokens are already cached, can this request get
-slots for N more tokens, and free this request.
+slots for N more tokens, and free this request. This class owns every
+request's block table; anyone else asks for the ids (``block_ids``).
 
 Block table of a request with block_size 4 and 10 tokens::
 
@@ -99,8 +100,6 @@ class KVCacheManager:
         blocks = self._blocks.setdefault(request.request_id, [])
         blocks.extend(computed_blocks)
         blocks.extend(new)
-        request.block_ids.extend(b.block_id for b in computed_blocks)
-        request.block_ids.extend(b.block_id for b in new)
         if cache_new_blocks:
             self.cache_blocks(request, num_computed + num_new_tokens)
         return True
@@ -131,7 +130,6 @@ class KVCacheManager:
         shared = self._blocks[parent.request_id][: num_tokens // self.block_size]
         self.pool.touch(shared)
         self._blocks[child.request_id] = list(shared)
-        child.block_ids = [b.block_id for b in shared]
         child.num_computed_tokens = len(shared) * self.block_size
 
     def free(self, request: Request) -> None:
@@ -140,10 +138,30 @@ class KVCacheManager:
         self._num_cached.pop(request.request_id, None)
         if blocks:
             self.pool.free(list(reversed(blocks)))
-        request.block_ids = []
+
+    def reserve(self, request: Request, num_tokens: int) -> bool:
+        """Blocks for the first ``num_tokens`` tokens of a request that holds
+        none, whose KV is written from outside (a prefill worker). They are
+        not published to the prefix cache until ``cache_blocks``: until then
+        they hold nothing another request may read. False, changing
+        nothing, when there is no room."""
+        needed = self.num_blocks_for(num_tokens)
+        if request.request_id in self._blocks or needed > self.pool.num_free_blocks:
+            return False
+        self._blocks[request.request_id] = self.pool.allocate(needed)
+        return True
 
     def num_held(self, request_id: str) -> int:
         return len(self._blocks.get(request_id, ()))
+
+    def block_ids(self, request_id: str, start: int = 0) -> list[int]:
+        """The request's block table from entry ``start`` on (a new list)."""
+        return [b.block_id for b in self._blocks.get(request_id, ())[start:]]
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (after a failed step: published blocks
+        may never have been written)."""
+        self.pool.reset_prefix_cache()
 
     def _update_hashes(self, request: Request, num_tokens: int) -> None:
         """Extend the request's chained block digests to its full blocks

@@ -2,7 +2,17 @@
 
 One step = schedule, run the model on the flattened batch, sample, update
 progress, detokenize. The offline ``LLM``, the ``AsyncEngine`` and both
-workers drive this class.
+workers drive this class, through its public methods only: they never touch
+the scheduler, the KV cache manager or the runner.
+
+What a request's blocks go through, by caller::
+
+    local       add_request -> step ... -> finished: freed
+    prefill     add_request(hold_blocks=True) -> step ... -> kv_progress
+                (export the blocks) -> release
+    decode      reserve_remote (blocks to write into) -> start_remote
+                (the KV landed) -> step ... -> finished: freed
+    any         abort_request: freed at once, whatever the state
 """
 
 from __future__ import annotations
@@ -17,10 +27,11 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.loader.resolve import resolve_model_dir
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
-from engine.outputs import RequestOutput
+from engine.outputs import EngineStats, KVProgress, RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.scheduler_output import SchedulerOutput
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger("engine")
@@ -50,7 +61,10 @@ class LLMEngine:
             self.max_model_len,
         )
 
-    # ---- requests ------------------------------------------------------------
+    # ---- requests: the only way in ---------------------------------------------
+    #
+    # Every call below runs on the thread that steps the engine, between two
+    # steps. A call that raises ValueError has changed nothing.
 
     def add_request(
         self,
@@ -58,15 +72,159 @@ class LLMEngine:
         prompt: str | Sequence[int],
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        *,
+        prompt_text: str | None = None,
+        hold_blocks: bool = False,
+        output_token_ids: Sequence[int] = (),
     ) -> None:
-        """Validate and queue a request. Raises ValueError before anything is
-        allocated if the request cannot be served."""
+        """Queue a request whose prompt is computed here.
+
+        ``prompt_text``: the text a token-id ``prompt`` was encoded from, if
+        any (outputs carry it). ``hold_blocks``: after the request finishes
+        its blocks stay allocated and readable (``kv_progress``) until
+        ``release`` or ``abort_request``: a prefill worker exports them.
+        ``output_token_ids``: tokens an earlier attempt already generated and
+        sent (a migrated request): they are recomputed with the prompt and
+        not output again.
+        """
         params = params or SamplingParams()
-        prompt_text, token_ids = self.tokenize(prompt)
+        text, token_ids = self.tokenize(prompt)
         self.validate(token_ids, params)
-        sequences = self.make_sequences(request_id, token_ids, params, arrival_time)
-        self.outputs.add(request_id, prompt_text, sequences)
-        self.scheduler.add_request(sequences[0])
+        if (hold_blocks or output_token_ids) and params.n != 1:
+            raise ValueError("a request that holds its blocks or resumes is one sequence (n=1)")
+        if output_token_ids and len(output_token_ids) >= params.max_tokens:
+            raise ValueError("the request already has max_tokens tokens")
+        sequences = self._new_sequences(request_id, token_ids, params, arrival_time)
+        first = sequences[0]
+        first.hold_blocks = hold_blocks
+        first.token_ids.extend(output_token_ids)
+        self.outputs.add(request_id, text if text is not None else prompt_text, sequences)
+        if output_token_ids:
+            self.outputs.skip_sent(request_id, len(output_token_ids))
+        self.scheduler.add_request(first)
+
+    def reserve_remote(self, request_id: str, token_ids: Sequence[int],
+                       params: SamplingParams) -> list[int] | None:
+        """Reserve blocks for a one-sequence request whose prompt KV is
+        computed elsewhere and written into them from outside.
+
+        Returns the ids of the blocks to write, in token order, or None
+        (nothing changed) when the cache has no room. The blocks are not in
+        the prefix cache and no step touches them until ``start_remote``;
+        ``abort_request`` frees them.
+        """
+        token_ids = list(token_ids)
+        self.validate(token_ids, params)
+        if params.n != 1:
+            raise ValueError("a reservation is for one sequence (n=1)")
+        (request,) = self._new_sequences(request_id, token_ids, params)
+        if not self.scheduler.reserve_remote(request):
+            return None
+        self.outputs.add(request_id, None, [request])
+        return self.kv.block_ids(request_id)
+
+    def is_reserved(self, request_id: str) -> bool:
+        """Whether ``request_id`` holds a reservation that has not started."""
+        return request_id in self.scheduler.remote
+
+    def start_remote(self, request_id: str, first_token: int,
+                     first_logprobs: dict[int, float] | None = None) -> list[RequestOutput]:
+        """The reserved blocks of ``request_id`` hold its prompt's KV now, and
+        the prefill side sampled ``first_token``: publish the blocks to the
+        prefix cache and queue the request for decoding (or finish it, if
+        that token ended it). Returns the output carrying the first token.
+        KeyError if the request holds no reservation."""
+        request = self.scheduler.remote.get(request_id)
+        if request is None:
+            raise KeyError(request_id)
+        if first_logprobs is not None and request.params.logprobs is not None:
+            request.logprobs.append(first_logprobs)
+        request.first_token_time = time.monotonic()
+        self.scheduler.start_remote(request_id, first_token)
+        return self._process([request])
+
+    def kv_progress(self, request_id: str) -> KVProgress | None:
+        """How far the KV of a request that runs here has got: its block
+        ids, how many of them are fully computed, and whether it finished.
+        None once it is gone or was aborted. The ids are safe to read until
+        the next step (or, for a finished ``hold_blocks`` request, until it
+        is released)."""
+        request = self.scheduler.requests.get(request_id)
+        if request is None or request.status is RequestStatus.FINISHED_ABORTED:
+            return None
+        block_ids = self.kv.block_ids(request_id)
+        done = len(block_ids) if request.finished else \
+            request.num_computed_tokens // self.kv.block_size
+        return KVProgress(block_ids, done, request.finished)
+
+    def release(self, request_id: str) -> None:
+        """Done with a request's blocks, whatever its state: a finished
+        request that held them frees them; one that still runs is aborted.
+        Unknown ids are ignored."""
+        request = self.scheduler.requests.get(request_id)
+        if request is None:
+            return
+        if request.finished:
+            self.scheduler.release_held(request_id)
+        else:
+            self.abort_request(request_id)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.scheduler.requests
+
+    def abort_request(self, request_ids: str | Sequence[str]) -> list[RequestOutput]:
+        """Finish requests at once and free their blocks (also those held or
+        reserved). Unknown ids are ignored."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        outs = []
+        for request_id in request_ids:
+            for seq in self.outputs.sequences(request_id):
+                self.scheduler.finish(seq.request_id, RequestStatus.FINISHED_ABORTED)
+            out = self.outputs.abort(request_id)
+            if out is not None:
+                outs.append(out)
+        if not self.scheduler.has_unfinished():
+            self._forget_if_idle(self.scheduler.schedule())
+        return outs
+
+    def recover_from_failed_step(self) -> list[str]:
+        """After ``step`` raised: abort every request the step may have
+        touched and forget the prefix cache (it published blocks the step
+        never wrote). Reservations are kept: they were not in the step, and
+        a transfer may be writing their blocks. Returns the aborted ids."""
+        remote = self.scheduler.remote
+        ids = [rid for rid in self.outputs.groups
+               if not any(s.request_id in remote for s in self.outputs.sequences(rid))]
+        self.abort_request(ids)
+        self.kv.reset_prefix_cache()
+        return ids
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def stats(self) -> EngineStats:
+        kv = self.kv
+        return EngineStats(
+            num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+            num_requests=len(self.outputs.groups), num_sequences=len(self.scheduler.requests),
+            num_blocks=self.runner.num_blocks,
+            num_free_blocks=kv.num_free_blocks, kv_usage=kv.usage,
+            prefix_queries=kv.prefix_queries, prefix_hits=kv.prefix_hits,
+        )
+
+    @property
+    def block_size(self) -> int:
+        return self.kv.block_size
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return self.kv.num_blocks_for(num_tokens)
+
+    @property
+    def kv_blocks(self):
+        """Whole KV blocks (all layers, all ranks' heads) to read and write:
+        what KV transfer moves. Use only with ids this engine handed out."""
+        return self.runner.kv_blocks
 
     def tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -101,7 +259,7 @@ class LLMEngine:
                 f"the request needs {needed} KV blocks, the cache has {self.runner.num_blocks}"
             )
 
-    def make_sequences(self, request_id: str, token_ids: list[int], params: SamplingParams,
+    def _new_sequences(self, request_id: str, token_ids: list[int], params: SamplingParams,
                        arrival_time: float | None = None) -> list[Request]:
         if request_id in self.outputs.groups or request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -115,39 +273,31 @@ class LLMEngine:
         seqs[0].pending_children = seqs[1:]
         return seqs
 
-    def abort_request(self, request_ids: str | Sequence[str]) -> list[RequestOutput]:
-        """Finish requests at once and free their blocks. Unknown ids are ignored."""
-        if isinstance(request_ids, str):
-            request_ids = [request_ids]
-        outs = []
-        for request_id in request_ids:
-            for seq in self.outputs.sequences(request_id):
-                self.scheduler.finish(seq.request_id, RequestStatus.FINISHED_ABORTED)
-                self.runner.remove_request(seq.request_id)
-            out = self.outputs.abort(request_id)
-            if out is not None:
-                outs.append(out)
-        return outs
-
-    def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
-
     # ---- one step --------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """Schedule, run the model, sample, and return the outputs of the
+        requests that got a token or finished."""
         sched = self.scheduler.schedule()
         if not sched:
+            self._forget_if_idle(sched)
             return []
         result = self.runner.execute(sched)
-        for request_id, lp in result.logprobs.items():
-            self.scheduler.requests[request_id].logprobs.append(lp)
-        changed = self.scheduler.update(sched, result.sampled)
+        outputs = self._process(self.scheduler.update(sched, result))
+        if not self.scheduler.has_unfinished():
+            self._forget_if_idle(self.scheduler.schedule())
+        return outputs
+
+    def _forget_if_idle(self, sched: SchedulerOutput) -> None:
+        """Nothing runs: let the runner drop the requests that are gone now
+        rather than at the next step, whenever that comes."""
+        if sched.finished_ids:
+            self.runner.execute(sched)
+
+    def _process(self, changed: list[Request]) -> list[RequestOutput]:
         outputs, stopped = self.outputs.process(changed)
-        for seq_id in stopped:
+        for seq_id in stopped:  # a stop string matched
             self.scheduler.finish(seq_id, RequestStatus.FINISHED_STOPPED)
-        for seq in changed:
-            if seq.finished:
-                self.runner.remove_request(seq.request_id)
         return outputs
 
     def shutdown(self) -> None:

@@ -1,16 +1,17 @@
-"""Rank 0's model runner: turns a SchedulerOutput into one flattened,
-unpadded batch, runs it (on every tensor-parallel rank), and samples."""
+"""Rank 0's model runner: applies each SchedulerOutput to its persistent
+batch, builds one flattened, unpadded step from it, runs it (on every
+tensor-parallel rank), and samples."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from engine.batch import flatten
+from engine.batch import CachedRequestState, InputBatch
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.device import claim_device, comm_backend, on_device, rank_device
@@ -20,9 +21,8 @@ from engine.model_shard import ModelShard
 from engine.parallel import TensorParallel
 from engine.parallel.followers import Followers
 from engine.parallel.sharded_kv import ShardedKVBlocks
-from engine.request import Request
 from engine.sampler import SamplingBatch, sample
-from engine.scheduler_output import SchedulerOutput
+from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger("engine")
 
@@ -32,17 +32,11 @@ class PromptRows:
     """Rows ``[row_lo, row_hi)`` of a step score prompt tokens ``first + 1``
     .. ``last`` of ``request`` (prompt_logprobs)."""
 
-    request: Request
+    request: CachedRequestState
     first: int
     last: int
     row_lo: int
     row_hi: int
-
-
-@dataclass
-class RunnerOutput:
-    sampled: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -78,7 +72,8 @@ class ModelRunner:
                 torch.set_num_threads(self._threads)
                 raise
             self.kv_blocks = ShardedKVBlocks(self.shard.blocks, self.tp, self.followers.send)
-        self.generators: dict[str, torch.Generator] = {}
+        self.input_batch = InputBatch(config.scheduler.max_num_seqs, max_model_len,
+                                      self.block_size)
         self.decode_graphs = self._decode_graphs(max_model_len)
 
     def _decode_graphs(self, max_model_len: int) -> DecodeGraphs | None:
@@ -155,23 +150,30 @@ class ModelRunner:
             self.tp.leave()
             torch.set_num_threads(self._threads)
 
-    def remove_request(self, request_id: str) -> None:
-        self.generators.pop(request_id, None)
+    @property
+    def num_requests(self) -> int:
+        """Requests the runner holds state for (until a step says they are gone)."""
+        return len(self.input_batch)
 
-    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         # Steps run on the engine's own thread: make this rank's GPU current there.
         with on_device(self.device), torch.inference_mode():
             return self._execute(out)
 
-    def _execute(self, out: SchedulerOutput) -> RunnerOutput:
-        batch, rows = flatten(out, self.block_size)
-        sampling = [s.request for s in out.scheduled if s.sample]
-        prompts = [p for p in (self._plan_prompt_logprobs(*r) for r in rows.prompt_rows) if p]
+    def _execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self.input_batch.update(out)
+        result = ModelRunnerOutput()
+        if not out.scheduled:
+            return result
+        batch, rows = self.input_batch.prepare(out)
+        sampling = [state for state, _ in rows.sampled]
+        prompts = [p for p in (self._plan_prompt_logprobs(*r, result) for r in rows.prompt_rows)
+                   if p]
         # The rows that need logits, one call per group: the sampled rows,
         # then each prompt chunk's (so a [rows, vocab] matrix is never larger
         # than one chunk's). With tensor parallelism each call is a gather the
         # followers join, so they get the same list.
-        calls = [[rows.logits_index[r.request_id] for r in sampling]] if sampling else []
+        calls = [[row for _, row in rows.sampled]] if sampling else []
         calls += [list(range(p.row_lo, p.row_hi)) for p in prompts]
         if self.followers is not None:
             with self.tp.command():  # the followers run the same forward and logits
@@ -186,61 +188,65 @@ class ModelRunner:
                 hidden = self.model(input_ids, positions, self.kv_caches, meta)
             logits = [self.model.compute_logits(hidden[c]) for c in calls]
 
-        result = RunnerOutput()
         if sampling:
             batch_params = SamplingBatch.prepare(
                 sampling, [self._generator(r) for r in sampling],
                 self.model_cfg.vocab_size, self.device,
             )
             sampled = sample(logits.pop(0), batch_params)
-            for request, token, lp in zip(sampling, sampled.token_ids, sampled.logprobs):
-                result.sampled[request.request_id] = token
+            for state, token, lp in zip(sampling, sampled.token_ids, sampled.logprobs):
+                state.token_ids.append(token)
+                result.sampled[state.request_id] = token
                 if lp is not None:
-                    result.logprobs[request.request_id] = lp
+                    result.logprobs[state.request_id] = lp
         for p, chunk_logits in zip(prompts, logits, strict=True):
-            self._fill_prompt_logprobs(p, chunk_logits)
+            self._fill_prompt_logprobs(p, chunk_logits, result)
         return result
 
-    def _generator(self, request: Request) -> torch.Generator | None:
-        seed = request.params.seed
+    def _generator(self, state: CachedRequestState) -> torch.Generator | None:
+        seed = state.params.seed
         if seed is None:
             return None
-        gen = self.generators.get(request.request_id)
-        if gen is None:
+        if state.generator is None:
             gen = torch.Generator(device=self.device)
-            gen.manual_seed(seed + request.index)
+            gen.manual_seed(seed + state.index)
             # Tokens sampled elsewhere (a prefill worker's first token, the
             # tokens of a migrated request) each used one draw: skip them, so
             # the seed gives the same tokens wherever they are sampled.
-            for _ in range(request.num_output_tokens):
+            for _ in range(state.num_output_tokens):
                 torch.empty(self.model_cfg.vocab_size, device=self.device).exponential_(
                     generator=gen
                 )
-            self.generators[request.request_id] = gen
-        return gen
+            state.generator = gen
+        return state.generator
 
-    def _plan_prompt_logprobs(self, request: Request, start: int, begin: int,
-                              end: int) -> PromptRows | None:
+    def _plan_prompt_logprobs(self, state: CachedRequestState, start: int, begin: int,
+                              end: int, result: ModelRunnerOutput) -> PromptRows | None:
         """Which rows of this step's chunk ``[begin, end)`` (positions
         ``start``..) score prompt tokens that have no logprob yet."""
-        last = min(start + end - begin, request.num_prompt_tokens - 1)
-        if not request.prompt_logprobs:
-            request.prompt_logprobs.append(None)  # the first token has none
-        if len(request.prompt_logprobs) > last:  # recomputing after a preemption
+        if state.num_prompt_logprobs == 0:  # the first token has none
+            result.prompt_logprobs[state.request_id] = [None]
+            state.num_prompt_logprobs = 1
+        last = min(start + end - begin, state.num_prompt_tokens - 1)
+        if state.num_prompt_logprobs > last:  # recomputing after a preemption
             return None
-        first = len(request.prompt_logprobs) - 1  # first position still missing
-        return PromptRows(request, first, last, begin + first - start, begin + last - start)
+        first = state.num_prompt_logprobs - 1  # first position still missing
+        return PromptRows(state, first, last, begin + first - start, begin + last - start)
 
-    def _fill_prompt_logprobs(self, p: PromptRows, logits: torch.Tensor) -> None:
+    def _fill_prompt_logprobs(self, p: PromptRows, logits: torch.Tensor,
+                              result: ModelRunnerOutput) -> None:
         """Logprobs of prompt tokens first+1 .. last, predicted by positions first.. ."""
-        request = p.request
+        state = p.request
+        entries: list[dict[int, float] | None] = []
         logprobs = torch.log_softmax(logits, dim=-1)
-        targets = torch.tensor(request.token_ids[p.first + 1 : p.last + 1], device=self.device)
+        targets = torch.tensor(state.token_ids[p.first + 1 : p.last + 1], device=self.device)
         chosen = logprobs.gather(1, targets[:, None]).squeeze(1).tolist()
-        n = request.params.prompt_logprobs or 0
+        n = state.params.prompt_logprobs or 0
         top_vals, top_ids = logprobs.topk(max(n, 1), dim=-1)
         for j, (token, lp) in enumerate(zip(targets.tolist(), chosen)):
             entry = {token: lp}
             for tid, val in zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist()):
                 entry.setdefault(tid, val)
-            request.prompt_logprobs.append(entry)
+            entries.append(entry)
+        state.num_prompt_logprobs = p.last + 1
+        result.prompt_logprobs.setdefault(state.request_id, []).extend(entries)

@@ -145,6 +145,8 @@ class OutputProcessor:
             ))
         first = group.completions[0].request
         metrics = {"arrival_time": group.arrival_time}
+        if first.first_scheduled_time is not None:
+            metrics["first_scheduled_time"] = first.first_scheduled_time
         if first.first_token_time is not None:
             metrics["first_token_time"] = first.first_token_time
         return RequestOutput(

@@ -36,3 +36,27 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class KVProgress:
+    """How far a request's KV has got on this engine (``LLMEngine.kv_progress``)."""
+
+    block_ids: list[int]  # all of its blocks, in token order
+    num_computed_blocks: int  # the leading blocks whose KV is complete
+    finished: bool
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's load, for routing and metrics."""
+
+    num_running: int
+    num_waiting: int  # queued, preempted, or reserved for remote KV
+    num_requests: int  # requests not yet finished and collected, each of n sequences
+    num_sequences: int  # sequences holding state (blocks, a queue slot or a reservation)
+    num_blocks: int
+    num_free_blocks: int
+    kv_usage: float
+    prefix_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_hits: int  # of those, tokens found

@@ -54,7 +54,6 @@ class Request:
         self.num_computed_tokens = 0
         # Prompt tokens found in the prefix cache the first time it was scheduled.
         self.num_cached_tokens = 0
-        self.block_ids: list[int] = []
         # Chained digests of this request's full blocks, grown as blocks fill
         # (engine/prefix_hash.py).
         self.block_hashes: list[bytes] = []

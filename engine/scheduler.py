@@ -15,7 +15,12 @@ from collections import deque
 from engine.config import SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
-from engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine.scheduler_output import (
+    ModelRunnerOutput,
+    NewRequestData,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 
 
 class Scheduler:
@@ -28,6 +33,10 @@ class Scheduler:
         # Blocks reserved, KV arriving from elsewhere; joins `waiting` when complete.
         self.remote: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
+        # Requests the model runner holds state for, and those it should
+        # forget at the next step (see scheduler_output.py).
+        self._in_runner: set[str] = set()
+        self._gone: list[str] = []
 
     # ---- admission -------------------------------------------------------
 
@@ -36,13 +45,11 @@ class Scheduler:
         self.waiting.append(request)
 
     def reserve_remote(self, request: Request) -> bool:
-        """Reserve blocks for a request whose first ``num_computed_tokens``
-        tokens will arrive as KV from a prefill worker. False if no room."""
-        num = request.num_computed_tokens
-        request.num_computed_tokens = 0
-        ok = self.kv.allocate_slots(request, num, cache_new_blocks=False)
-        request.num_computed_tokens = num
+        """Reserve blocks for a fresh request whose prompt's KV will arrive
+        from a prefill worker. False, changing nothing, if there is no room."""
+        ok = self.kv.reserve(request, request.num_prompt_tokens)
         if ok:
+            request.num_computed_tokens = request.num_prompt_tokens
             request.status = RequestStatus.WAITING_FOR_REMOTE_KV
             self.requests[request.request_id] = request
             self.remote[request.request_id] = request
@@ -80,6 +87,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_held = self.kv.num_held(request.request_id)
             while not self.kv.allocate_slots(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -87,7 +95,8 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                out.scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
+                out.scheduled.append(self._scheduled(request, request.num_computed_tokens,
+                                                     num_new, num_held))
                 budget -= num_new
                 i += 1
                 continue
@@ -102,6 +111,7 @@ class Scheduler:
                 hits, num_hit = self.kv.get_computed_blocks(request)
             start = request.num_computed_tokens + num_hit
             num_new = min(request.num_tokens - start, budget)
+            num_held = self.kv.num_held(request.request_id)
             if not self.kv.allocate_slots(request, num_new, hits):
                 break
             self.waiting.popleft()
@@ -111,25 +121,51 @@ class Scheduler:
             request.num_computed_tokens = start
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.scheduled.append(ScheduledRequest(request, start, num_new))
+            if request.request_id not in self._in_runner:
+                self._in_runner.add(request.request_id)
+                out.new_requests.append(self._new_request_data(request))
+                num_held = None  # the new data carries the whole table
+            out.scheduled.append(self._scheduled(request, start, num_new, num_held))
             budget -= num_new
 
         # Single-token sequences first: the attention backend reads them as decodes.
         out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
+        out.finished_ids, self._gone = self._gone, []
         return out
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance progress after the model ran; append sampled tokens; finish
-        requests that hit a stop condition. Returns the requests that changed
-        (got a token or finished)."""
+    def _scheduled(self, request: Request, start: int, num_new: int,
+                   num_held: int | None) -> ScheduledRequest:
+        """``num_held``: table entries the runner has; None: it has them all."""
+        new_ids = [] if num_held is None else self.kv.block_ids(request.request_id, num_held)
+        return ScheduledRequest(request.request_id, start, num_new, new_ids,
+                                sample=start + num_new == request.num_tokens)
+
+    def _new_request_data(self, request: Request) -> NewRequestData:
+        return NewRequestData(
+            request_id=request.request_id, token_ids=list(request.token_ids),
+            num_prompt_tokens=request.num_prompt_tokens, params=request.params,
+            eos_token_ids=request.eos_token_ids, index=request.index,
+            block_ids=self.kv.block_ids(request.request_id),
+            num_prompt_logprobs=len(request.prompt_logprobs),
+        )
+
+    def update(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
+        """Advance progress after the model ran; append sampled tokens (and
+        logprobs); finish requests that hit a stop condition. Returns the
+        requests that changed (got a token or finished)."""
         changed = []
+        for request_id, entries in result.prompt_logprobs.items():
+            self.requests[request_id].prompt_logprobs.extend(entries)
         for s in out.scheduled:
-            request = s.request
+            request = self.requests[s.request_id]
             request.num_computed_tokens = s.end
             if not s.sample:
                 continue
-            token = sampled[request.request_id]
+            token = result.sampled[request.request_id]
             request.append_token(token)
+            logprobs = result.logprobs.get(request.request_id)
+            if logprobs is not None:
+                request.logprobs.append(logprobs)
             if request.first_token_time is None:
                 request.first_token_time = time.monotonic()
             if request.pending_children:
@@ -221,6 +257,7 @@ class Scheduler:
         parent.pending_children = []
 
     def _preempt(self, request: Request) -> None:
+        self._forget(request)
         self.kv.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
@@ -230,7 +267,14 @@ class Scheduler:
     def _remove_running(self, request: Request) -> None:
         self.running.remove(request)
 
+    def _forget(self, request: Request) -> None:
+        """The runner drops its state for ``request`` at the next step."""
+        if request.request_id in self._in_runner:
+            self._in_runner.discard(request.request_id)
+            self._gone.append(request.request_id)
+
     def _release(self, request: Request) -> None:
+        self._forget(request)
         if request.hold_blocks:
             return
         self.kv.free(request)

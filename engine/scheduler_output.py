@@ -1,24 +1,50 @@
-"""What the scheduler decides for one step: plain data, no tensors."""
+"""What the scheduler tells the model runner each step, and what it gets
+back: plain data, no tensors and no live ``Request`` objects.
+
+The runner keeps its own state for every request it has seen (tokens,
+block table, sampling settings) and the scheduler sends only what changed:
+a request the runner does not know yet comes whole, once, in
+``new_requests``; after that each step names it with how many tokens to
+compute and the blocks added to its table since the last step. Requests
+that finished, were aborted or were preempted are listed in
+``finished_ids`` so the runner drops them (a preempted request comes back
+later as a new one).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.request import Request
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """Everything the runner needs about a request it has no state for."""
+
+    request_id: str
+    token_ids: list[int]  # prompt and every output token so far (a copy)
+    num_prompt_tokens: int
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    index: int  # which of the request's n completions: seeds differ per completion
+    block_ids: list[int]  # its block table so far
+    # Prompt tokens that already have their logprob (a recompute after a
+    # preemption scores only the missing ones).
+    num_prompt_logprobs: int = 0
 
 
 @dataclass
 class ScheduledRequest:
-    """Compute ``num_new_tokens`` tokens of ``request`` starting at position
-    ``start``; sample after the last one when ``sample`` is true."""
+    """Compute ``num_new_tokens`` tokens of a request from position
+    ``start``; the runner appends ``new_block_ids`` to its block table first.
+    ``sample``: the chunk reaches the request's last token, so sample after it."""
 
-    request: Request
+    request_id: str
     start: int
     num_new_tokens: int
-
-    @property
-    def sample(self) -> bool:
-        return self.start + self.num_new_tokens == self.request.num_tokens
+    new_block_ids: list[int]
+    sample: bool
 
     @property
     def end(self) -> int:
@@ -27,8 +53,12 @@ class ScheduledRequest:
 
 @dataclass
 class SchedulerOutput:
+    new_requests: list[NewRequestData] = field(default_factory=list)
     # Decodes (one new token each) first, then prefills and extends.
     scheduled: list[ScheduledRequest] = field(default_factory=list)
+    # Gone since the last step (finished, aborted, preempted): the runner forgets them.
+    finished_ids: list[str] = field(default_factory=list)
+    # Preempted in this step (a subset of finished_ids): for metrics and tests.
     preempted: list[str] = field(default_factory=list)
 
     @property
@@ -46,3 +76,14 @@ class SchedulerOutput:
 
     def __bool__(self) -> bool:
         return bool(self.scheduled)
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What one step produced, by request id."""
+
+    sampled: dict[str, int] = field(default_factory=dict)
+    # {token_id: logprob} of the sampled and top-N tokens, for requests that asked.
+    logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
+    # Prompt logprobs computed in this step, appended to what the request has.
+    prompt_logprobs: dict[str, list[dict[int, float] | None]] = field(default_factory=dict)

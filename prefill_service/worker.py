@@ -11,7 +11,6 @@ import logging
 import time
 
 from engine.llm_engine import LLMEngine
-from engine.request import RequestStatus
 from kv_transfer.base import KVSender
 from kv_transfer.grpc_transport import GrpcSender
 from kv_transfer.layout import KVLayout
@@ -74,7 +73,7 @@ class PrefillWorker(WorkerBase):
             raise ValueError("a prefill is for one sequence (n=1); the gateway fans out n")
         tokens = list(req.prompt_token_ids)
         self.engine.validate(tokens, params)
-        needed = self.engine.kv.num_blocks_for(len(tokens))
+        needed = self.engine.num_blocks_for(len(tokens))
         if needed != len(ticket.block_ids):
             raise ValueError(f"the ticket has {len(ticket.block_ids)} blocks, the prompt "
                              f"needs {needed}")
@@ -87,23 +86,20 @@ class PrefillWorker(WorkerBase):
             # NOTE: checked here, not left to the engine: the cleanup below
             # would free the blocks of the other request that holds this id.
             raise ValueError(f"request id {request_id!r} is already in use")
-        holder = {}
 
         def add(engine: LLMEngine) -> None:
-            seqs = engine.make_sequences(request_id, tokens, first_params)
-            seqs[0].hold_blocks = True  # until the decode worker has the KV
-            holder["seq"] = seqs[0]
-            engine.outputs.add(request_id, None, seqs)
-            engine.scheduler.add_request(seqs[0])
+            # Its blocks are held until the decode worker has the KV.
+            engine.add_request(request_id, tokens, first_params, hold_blocks=True)
 
         self.inflight.add(request_id)
+        computed = False
         transfer: asyncio.Future | None = None
         watch = None
         try:
             if sender.streams_during_compute:
                 # Blocks travel as chunks of the prompt finish computing.
-                progress = PrefillProgress(len(ticket.block_ids), self._reader(holder, request_id))
-                watch = _watcher(holder, progress, self.engine.kv.block_size)
+                progress = PrefillProgress(len(ticket.block_ids), self._reader(request_id))
+                watch = _watcher(self.engine, request_id, progress)
                 self.aengine.step_hooks.append(watch)
                 send_span, transfer = self._start_send(
                     sender, ticket, sender.send_progressive(request_id, ticket, progress))
@@ -112,17 +108,18 @@ class PrefillWorker(WorkerBase):
             with _tracer.start_as_current_span("prefill.compute") as span:
                 async for out in self.aengine.stream(request_id, add):
                     final = out
-                seq = holder["seq"]
-                span.set_attributes({"prompt_tokens": len(tokens),
-                                     "cached_tokens": seq.num_cached_tokens,
-                                     "queue_s": _queue_seconds(seq)})
             if final is None or final.outputs[0].finish_reason == "abort":
                 raise Fenced(f"request {request_id!r} was aborted during prefill")
+            span.set_attributes({"prompt_tokens": len(tokens),
+                                 "cached_tokens": final.num_cached_tokens,
+                                 "queue_s": _queue_seconds(final)})
+            computed = True
             comp = final.outputs[0]
             first_token = comp.token_ids[0]
             if transfer is None:
+                held = await self.aengine.run(lambda e: e.kv_progress(request_id))
                 send_span, transfer = self._start_send(
-                    sender, ticket, sender.send(request_id, ticket, list(seq.block_ids)))
+                    sender, ticket, sender.send(request_id, ticket, held.block_ids))
                 self.transfers[request_id] = transfer
             else:
                 progress.complete()
@@ -142,7 +139,7 @@ class PrefillWorker(WorkerBase):
             self.metrics.observe_transfer(stats.transport, "send", stats.bytes, stats.seconds,
                                           True)
         except Exception:
-            if "seq" in holder and holder["seq"].status.finished:
+            if computed:  # the prompt was computed, its KV did not get across
                 self.metrics.observe_transfer(sender.name, "send", 0, 0.0, False)
             raise
         finally:
@@ -153,7 +150,7 @@ class PrefillWorker(WorkerBase):
                     transfer.cancel()  # the compute failed or was aborted mid-stream
                 transfer.add_done_callback(lambda f: f.cancelled() or f.exception())
             self.inflight.discard(request_id)
-            await self.aengine.run(lambda e: _release(e, request_id, holder.get("seq")))
+            await self.aengine.run(lambda e: e.release(request_id))
         resp = worker_pb2.PrefillResponse(
             first_token_id=first_token, num_cached_tokens=final.num_cached_tokens,
             kv_bytes=stats.bytes, transfer_seconds=stats.seconds,
@@ -177,21 +174,19 @@ class PrefillWorker(WorkerBase):
         with current(span):
             return span, asyncio.ensure_future(coro)
 
-    def _reader(self, holder: dict, request_id: str):
+    def _reader(self, request_id: str):
         """Reads blocks of the request on the engine thread between two
         steps, so no step writes or frees them meanwhile."""
-        bs = self.engine.kv.block_size
 
         async def read(lo: int, hi: int):
             def op(engine: LLMEngine):
-                seq = holder.get("seq")
-                if seq is None or seq.status is RequestStatus.FINISHED_ABORTED:
+                progress = engine.kv_progress(request_id)
+                if progress is None:
                     # Not None ("not yet"): the sender would ask again forever.
                     raise Fenced(f"request {request_id!r} was aborted")
-                done = len(seq.block_ids) if seq.finished else seq.num_computed_tokens // bs
-                if hi > done:
+                if hi > progress.num_computed_blocks:
                     return None  # preempted since: recomputing
-                return self.io.read(seq.block_ids[lo:hi])
+                return self.io.read(progress.block_ids[lo:hi])
 
             return await self.aengine.run(op)
 
@@ -204,38 +199,21 @@ class PrefillWorker(WorkerBase):
         await super().close()
 
 
-def _watcher(holder: dict, progress: PrefillProgress, block_size: int):
+def _watcher(engine: LLMEngine, request_id: str, progress: PrefillProgress):
     """A step hook that publishes how many of the request's blocks are done."""
 
     def watch(_outputs) -> None:
-        seq = holder.get("seq")
-        if seq is None:
+        state = engine.kv_progress(request_id)
+        if state is None:
             return
-        if seq.finished:
+        if state.finished:
             progress.complete()
         else:
-            progress.update(seq.num_computed_tokens // block_size)
+            progress.update(state.num_computed_blocks)
 
     return watch
 
 
-def _queue_seconds(seq) -> float:
-    if seq.first_scheduled_time is None:
-        return 0.0
-    return seq.first_scheduled_time - seq.arrival_time
-
-
-def _release(engine: LLMEngine, request_id: str, seq) -> None:
-    """Free a prefill's blocks, on the engine thread, whatever its state.
-
-    NOTE: a cancelled call can get here while the request still runs (its
-    abort is queued behind this): ``release_held`` alone would drop the
-    running request from the scheduler's books, the abort would then find
-    nothing, and the request would finish holding its blocks forever.
-    """
-    if seq is None or engine.scheduler.requests.get(request_id) is not seq:
-        return  # never added, or already gone
-    if seq.finished:
-        engine.scheduler.release_held(request_id)
-    else:
-        engine.abort_request(request_id)
+def _queue_seconds(out) -> float:
+    scheduled = out.metrics.get("first_scheduled_time")
+    return 0.0 if scheduled is None else scheduled - out.metrics["arrival_time"]

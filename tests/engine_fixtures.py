@@ -108,15 +108,28 @@ def run_to_completion(engine, max_steps: int = 10_000) -> dict:
     return done
 
 
+def record_steps(engine) -> list:
+    """Every SchedulerOutput the engine hands its runner from now on (the
+    plain-data boundary between scheduler and runner)."""
+    seen = []
+    execute = engine.runner.execute
+
+    def recording(out):
+        seen.append(out)
+        return execute(out)
+
+    engine.runner.execute = recording
+    return seen
+
+
 def assert_all_free(engine) -> None:
     """Every block is back in the free queue and no request is left anywhere."""
-    sched = engine.scheduler
-    assert engine.kv.num_free_blocks == engine.runner.num_blocks
-    assert all(b.ref_cnt == 0 for b in engine.kv.pool.blocks)
-    assert not sched.requests and not sched.running and not sched.waiting and not sched.remote
-    assert not engine.kv._blocks
-    assert not engine.outputs.groups and not engine.outputs.by_seq
-    assert not engine.runner.generators
+    stats = engine.stats()
+    assert stats.num_free_blocks == stats.num_blocks
+    assert stats.num_requests == stats.num_sequences == 0
+    assert stats.num_running == stats.num_waiting == 0
+    assert not engine.has_unfinished_requests()
+    assert engine.runner.num_requests == 0  # the runner forgot them too
 
 
 def random_prompts(lengths, seed: int = 0, low: int = 3) -> list[list[int]]:

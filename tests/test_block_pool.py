@@ -160,16 +160,16 @@ def test_allocate_slots_grows_the_table_append_only():
     kv = KVCacheManager(8, BS)
     a = req("a", toks(100, 10))
     assert kv.allocate_slots(a, 10)
-    assert a.block_ids == [0, 1, 2] and kv.num_free_blocks == 5
+    assert kv.block_ids(a.request_id) == [0, 1, 2] and kv.num_free_blocks == 5
     a.num_computed_tokens = 10
     a.append_token(1)
     assert kv.allocate_slots(a, 1)  # token 10 fits in block 2
-    assert a.block_ids == [0, 1, 2]
+    assert kv.block_ids(a.request_id) == [0, 1, 2]
     a.num_computed_tokens = 11
     for t in (2, 3):
         a.append_token(t)
     assert kv.allocate_slots(a, 2)  # tokens 11, 12: block 3 opens
-    assert a.block_ids == [0, 1, 2, 3] and kv.num_held("a") == 4
+    assert kv.block_ids(a.request_id) == [0, 1, 2, 3] and kv.num_held("a") == 4
 
 
 def test_full_blocks_are_published_with_chained_hashes():
@@ -191,10 +191,10 @@ def test_prefix_hit_shares_blocks_and_counts_refs():
     hits, n = kv.get_computed_blocks(b)
     assert [h.block_id for h in hits] == [0, 1] and n == 8
     assert kv.allocate_slots(b, 3, hits)
-    assert b.block_ids == [0, 1, 3]
+    assert kv.block_ids(b.request_id) == [0, 1, 3]
     assert ref_counts(kv, [0, 1, 2, 3]) == [2, 2, 1, 1]
     kv.free(a)
-    assert ref_counts(kv, [0, 1, 2]) == [1, 1, 0] and a.block_ids == []
+    assert ref_counts(kv, [0, 1, 2]) == [1, 1, 0] and kv.block_ids(a.request_id) == []
     assert kv.pool.free_queue.block_ids() == [4, 5, 6, 7, 2]
     kv.free(b)
     # Tail first: the end of a prefix is evicted before its start.
@@ -240,7 +240,7 @@ def test_freed_prefix_survives_until_its_blocks_are_reused():
     assert kv.pool.free_queue.block_ids() == [3, 4, 2, 1, 0]
     d = req("d", toks(300, 16))
     assert kv.allocate_slots(d, 16)
-    assert d.block_ids == [3, 4, 2, 1]  # block 1's prefix is evicted, block 0's is not
+    assert kv.block_ids(d.request_id) == [3, 4, 2, 1]  # block 1's prefix is evicted, block 0's is not
     hits, n = kv.get_computed_blocks(req("e", toks(100, 10)))
     assert [h.block_id for h in hits] == [0] and n == 4
 
@@ -261,10 +261,10 @@ def test_fork_shares_full_blocks():
     kv.allocate_slots(parent, 10)
     child = Request("p#1", parent.prompt_token_ids, parent.params, index=1, parent_id="p")
     kv.fork(parent, child, 9)  # 9 tokens: 2 full blocks
-    assert child.block_ids == [0, 1] and child.num_computed_tokens == 8
+    assert kv.block_ids(child.request_id) == [0, 1] and child.num_computed_tokens == 8
     assert ref_counts(kv, [0, 1, 2]) == [2, 2, 1]
     assert kv.allocate_slots(child, 2)  # tokens 8, 9 into its own block
-    assert child.block_ids == [0, 1, 3]
+    assert kv.block_ids(child.request_id) == [0, 1, 3]
     kv.free(parent)
     kv.free(child)
     assert kv.num_free_blocks == 8 and ref_counts(kv, [0, 1, 2, 3]) == [0, 0, 0, 0]
@@ -274,7 +274,7 @@ def test_failed_allocation_changes_nothing():
     kv = KVCacheManager(3, BS)
     a = req("a", toks(100, 13))
     assert not kv.allocate_slots(a, 13)  # needs 4 blocks
-    assert kv.num_free_blocks == 3 and a.block_ids == [] and kv.num_held("a") == 0
+    assert kv.num_free_blocks == 3 and kv.block_ids(a.request_id) == [] and kv.num_held("a") == 0
     assert kv.pool.free_queue.block_ids() == [0, 1, 2]
     assert not a.block_hashes or kv.pool.lookup(a.block_hashes[0]) is None
 
@@ -292,12 +292,12 @@ def test_failed_allocation_with_cache_hits_takes_no_reference():
     assert [h.block_id for h in hits] == [0, 1] and n == 8
     assert not kv.allocate_slots(b, 9, hits)
     assert kv.pool.free_queue.block_ids() == [3, 2, 1, 0]
-    assert ref_counts(kv, [0, 1, 2, 3]) == [0, 0, 0, 0] and b.block_ids == []
+    assert ref_counts(kv, [0, 1, 2, 3]) == [0, 0, 0, 0] and kv.block_ids(b.request_id) == []
     # With one token fewer it fits exactly, using the revived blocks.
     c = req("c", toks(100, 8) + toks(500, 8))
     hits, n = kv.get_computed_blocks(c)
     assert kv.allocate_slots(c, 8, hits)
-    assert c.block_ids == [0, 1, 3, 2] and kv.num_free_blocks == 0
+    assert kv.block_ids(c.request_id) == [0, 1, 3, 2] and kv.num_free_blocks == 0
 
 
 def test_allocate_without_publishing_then_cache_blocks():
@@ -319,7 +319,7 @@ def test_decode_steps_publish_each_block_as_it_fills():
         a.append_token(token)
         assert kv.allocate_slots(a, 1)
         a.num_computed_tokens += 1
-    assert a.block_ids == [0, 1] and kv.pool.blocks[1].block_hash == a.block_hashes[1]
+    assert kv.block_ids(a.request_id) == [0, 1] and kv.pool.blocks[1].block_hash == a.block_hashes[1]
     # A prompt equal to a's tokens so far (plus one) hits both blocks.
     hits, n = kv.get_computed_blocks(req("b", a.token_ids + [9]))
     assert [h.block_id for h in hits] == [0, 1] and n == 8

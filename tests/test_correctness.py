@@ -8,7 +8,14 @@ from __future__ import annotations
 import functools
 
 import pytest
-from engine_fixtures import assert_all_free, make_engine, random_prompts, run_to_completion, tiny
+from engine_fixtures import (
+    assert_all_free,
+    make_engine,
+    random_prompts,
+    record_steps,
+    run_to_completion,
+    tiny,
+)
 from tiny_models import VARIANTS, hf_greedy
 
 from engine.sampling_params import SamplingParams
@@ -25,14 +32,14 @@ def reference(variant: str, prompt: tuple[int, ...], max_tokens: int = MAX_TOKEN
 
 
 def generate(engine, prompts, params=GREEDY, prefix="r"):
-    """Run ``prompts`` to completion; (outputs in order, their sequences)."""
+    """Run ``prompts`` to completion; (outputs in order, how many times a
+    request was preempted)."""
     ids = [f"{prefix}{i}" for i in range(len(prompts))]
-    seqs = []
+    steps = record_steps(engine)
     for rid, prompt in zip(ids, prompts):
         engine.add_request(rid, prompt, params)
-        seqs += engine.outputs.sequences(rid)
     done = run_to_completion(engine)
-    return [done[rid] for rid in ids], seqs
+    return [done[rid] for rid in ids], sum(len(sched.preempted) for sched in steps)
 
 
 def check_equal_hf(variant, prompts, outputs, max_tokens=MAX_TOKENS):
@@ -55,9 +62,9 @@ def test_greedy_equals_hf(variant):
 @pytest.mark.parametrize("block_size", [1, 32])
 def test_block_sizes(block_size):
     engine = make_engine(tiny("llama-gqa")[0], block_size=block_size, num_blocks=1024)
-    outputs, seqs = generate(engine, PROMPTS)
+    outputs, preemptions = generate(engine, PROMPTS)
     check_equal_hf("llama-gqa", PROMPTS, outputs)
-    assert all(s.num_preemptions == 0 for s in seqs)
+    assert preemptions == 0
     assert_all_free(engine)
 
 
@@ -66,29 +73,21 @@ def test_preemption_recomputes_to_the_same_tokens(caching):
     # 70 + 16 tokens need 6 blocks of 16; 8 blocks hold one long request at a time.
     engine = make_engine(tiny("llama-gqa")[0], block_size=16, num_blocks=8,
                          enable_prefix_caching=caching)
-    outputs, seqs = generate(engine, PROMPTS)
+    outputs, preemptions = generate(engine, PROMPTS)
     check_equal_hf("llama-gqa", PROMPTS, outputs)
-    assert sum(s.num_preemptions for s in seqs) > 0
+    assert preemptions > 0
     assert_all_free(engine)
 
 
 def test_chunked_prefill():
     engine = make_engine(tiny("qwen2")[0], block_size=16, max_num_batched_tokens=8)
+    steps = record_steps(engine)
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(f"r{i}", prompt, GREEDY)
-    done, chunks = {}, 0
-    while engine.has_unfinished_requests():
-        sched = engine.scheduler.schedule()
-        assert sched.num_batched_tokens <= 8
-        chunks += sum(1 for s in sched.scheduled if s.num_new_tokens > 1 and not s.sample)
-        result = engine.runner.execute(sched)
-        changed = engine.scheduler.update(sched, result.sampled)
-        for out in engine.outputs.process(changed)[0]:
-            if out.finished:
-                done[out.request_id] = out
-        for seq in changed:
-            if seq.finished:
-                engine.runner.remove_request(seq.request_id)
+    done = run_to_completion(engine)
+    assert all(sched.num_batched_tokens <= 8 for sched in steps)
+    chunks = sum(1 for sched in steps for s in sched.scheduled
+                 if s.num_new_tokens > 1 and not s.sample)
     assert chunks >= 10  # prompts really were split
     check_equal_hf("qwen2", PROMPTS, [done[f"r{i}"] for i in range(len(PROMPTS))])
     assert_all_free(engine)
@@ -97,9 +96,9 @@ def test_chunked_prefill():
 def test_chunked_prefill_with_preemption_and_block_size_1():
     engine = make_engine(tiny("mistral")[0], block_size=1, num_blocks=100,
                          max_num_batched_tokens=16)
-    outputs, seqs = generate(engine, PROMPTS)
+    outputs, preemptions = generate(engine, PROMPTS)
     check_equal_hf("mistral", PROMPTS, outputs)
-    assert sum(s.num_preemptions for s in seqs) > 0
+    assert preemptions > 0
     assert_all_free(engine)
 
 
@@ -116,22 +115,22 @@ def test_prefix_cache_hits_give_the_same_tokens():
     out2, _ = generate(engine, second, prefix="b")
     assert [o.num_cached_tokens for o in out2] == [32, 32, 32]
     check_equal_hf(variant, first + second, out1 + out2)
-    assert engine.kv.prefix_hits >= 96
+    assert engine.stats().prefix_hits >= 96
     assert_all_free(engine)
 
 
 def test_identical_prompts_in_one_step_share_blocks():
     engine = make_engine(tiny("llama-gqa")[0], block_size=4)
     prompt = PROMPTS[3]  # 40 tokens
+    steps = record_steps(engine)
     for rid in ("x", "y"):
         engine.add_request(rid, prompt, GREEDY)
-    sched = engine.scheduler.schedule()
-    x, y = (s.request for s in sched.scheduled)
-    assert (sched.scheduled[1].start, y.num_cached_tokens) == (36, 36)
+    outs = {o.request_id: o for o in engine.step()}
+    (sched,) = steps
+    x, y = sched.new_requests
+    assert sched.scheduled[1].start == 36 and outs["y"].num_cached_tokens == 36
     assert y.block_ids[:9] == x.block_ids[:9]
-    result = engine.runner.execute(sched)
-    engine.scheduler.update(sched, result.sampled)
-    assert result.sampled["x"] == result.sampled["y"]
+    assert outs["x"].outputs[0].token_ids == outs["y"].outputs[0].token_ids
     engine.abort_request(["x", "y"])
     assert_all_free(engine)
 

@@ -8,6 +8,7 @@ import itertools
 from engine.config import SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
+from engine.scheduler_output import ModelRunnerOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 
@@ -35,9 +36,9 @@ def make_request(rid: str, prompt_len: int, max_tokens: int = 16, n: int = 1, **
 def step(sched: Scheduler, token: int = 7):
     """One step; returns [(request_id, start, num_new_tokens)] and the output."""
     out = sched.schedule()
-    sampled = {s.request.request_id: token for s in out.scheduled if s.sample}
-    sched.update(out, sampled)
-    return [(s.request.request_id, s.start, s.num_new_tokens) for s in out.scheduled], out
+    sampled = {s.request_id: token for s in out.scheduled if s.sample}
+    sched.update(out, ModelRunnerOutput(sampled))
+    return [(s.request_id, s.start, s.num_new_tokens) for s in out.scheduled], out
 
 
 def drain(sched: Scheduler, max_steps: int = 1000) -> None:
@@ -61,12 +62,12 @@ def test_chunked_prefill_mixes_with_decodes_under_the_token_budget():
     sched.add_request(make_request("b", 20))
     # The decode comes first and takes one token; the prefill gets the rest.
     out = sched.schedule()
-    assert [(s.request.request_id, s.start, s.num_new_tokens) for s in out.scheduled] == [
+    assert [(s.request_id, s.start, s.num_new_tokens) for s in out.scheduled] == [
         ("a", 4, 1), ("b", 0, 9),
     ]
     assert out.num_batched_tokens == 10 and out.num_decodes == 1
     assert [s.sample for s in out.scheduled] == [True, False]
-    sched.update(out, {"a": 7})
+    sched.update(out, ModelRunnerOutput({"a": 7}))
     assert step(sched)[0] == [("a", 5, 1), ("b", 9, 9)]
     got, out = step(sched)
     assert got == [("a", 6, 1), ("b", 18, 2)]
@@ -115,16 +116,16 @@ def test_preemption_frees_the_newest_request_which_resumes_with_its_tokens():
     a, b = sched.requests["a"], sched.requests["b"]
     assert step(sched)[0] == [("a", 0, 8), ("b", 0, 8)]  # blocks 0-1 and 2-3
     assert step(sched)[0] == [("a", 8, 1), ("b", 8, 1)]  # blocks 4 and 5: none left
-    assert a.block_ids == [0, 1, 4] and b.block_ids == [2, 3, 5]
+    assert sched.kv.block_ids(a.request_id) == [0, 1, 4] and sched.kv.block_ids(b.request_id) == [2, 3, 5]
     for _ in range(3):
         got, out = step(sched)
         assert not out.preempted
     # Token 12 of a needs a fourth block: b, the newest, is preempted and freed.
     got, out = step(sched)
     assert out.preempted == ["b"] and got == [("a", 12, 1)]
-    assert a.block_ids == [0, 1, 4, 5]
+    assert sched.kv.block_ids(a.request_id) == [0, 1, 4, 5]
     assert b.status is RequestStatus.PREEMPTED and b.num_preemptions == 1
-    assert b.block_ids == [] and b.num_computed_tokens == 0
+    assert sched.kv.block_ids(b.request_id) == [] and b.num_computed_tokens == 0
     assert list(sched.waiting) == [b] and sched.running == [a]
     assert b.output_token_ids == [7] * 5  # kept: it recomputes them
     # While a holds four blocks, b (13 tokens, four blocks) is not admitted.
@@ -236,7 +237,7 @@ def test_remote_kv_reserves_blocks_and_decodes_after_arrival():
     r.append_token(42)  # the prefill worker's first token
     r.num_computed_tokens = 10  # KV for the prompt comes from the prefill worker
     assert sched.reserve_remote(r)
-    assert r.block_ids == [0, 1, 2] and r.status is RequestStatus.WAITING_FOR_REMOTE_KV
+    assert sched.kv.block_ids(r.request_id) == [0, 1, 2] and r.status is RequestStatus.WAITING_FOR_REMOTE_KV
     assert sched.num_waiting == 1 and not sched.has_unfinished()
     # Not published to the prefix cache while the KV is still arriving.
     assert all(b.block_hash is None for b in sched.kv.pool.blocks)
@@ -245,10 +246,10 @@ def test_remote_kv_reserves_blocks_and_decodes_after_arrival():
     assert [sched.kv.pool.blocks[i].block_hash is not None for i in range(3)] == [True, True, False]
     out = sched.schedule()
     (s,) = out.scheduled
-    assert (s.request, s.start, s.num_new_tokens, s.sample) == (r, 10, 1, True)
+    assert (s.request_id, s.start, s.num_new_tokens, s.sample) == ("r", 10, 1, True)
     assert out.num_decodes == 1
-    sched.update(out, {"r": 7})
-    assert r.block_ids == [0, 1, 2] and r.output_token_ids == [42, 7]
+    sched.update(out, ModelRunnerOutput({"r": 7}))
+    assert sched.kv.block_ids(r.request_id) == [0, 1, 2] and r.output_token_ids == [42, 7]
     drain(sched)
     assert_empty(sched)
 
@@ -258,7 +259,7 @@ def test_remote_reservation_fails_without_room_and_can_be_aborted():
     big = make_request("big", 12)
     big.num_computed_tokens = 12
     assert not sched.reserve_remote(big)
-    assert sched.kv.num_free_blocks == 2 and big.block_ids == [] and not sched.requests
+    assert sched.kv.num_free_blocks == 2 and sched.kv.block_ids(big.request_id) == [] and not sched.requests
     small = make_request("small", 5)
     small.num_computed_tokens = 5
     assert sched.reserve_remote(small)
@@ -276,9 +277,9 @@ def test_n_completions_fork_and_share_the_prompt_blocks():
     # After the parent's first token the children join, sharing blocks 0 and 1;
     # each computes the last prompt block itself.
     assert [r.request_id for r in sched.waiting] == ["p#1", "p#2"]
-    assert c1.block_ids == [0, 1] and c1.num_computed_tokens == 8
+    assert sched.kv.block_ids(c1.request_id) == [0, 1] and c1.num_computed_tokens == 8
     assert step(sched)[0] == [("p", 10, 1), ("p#1", 8, 2), ("p#2", 8, 2)]
-    assert c1.block_ids == [0, 1, 3] and c2.block_ids == [0, 1, 4] and parent.block_ids == [0, 1, 2]
+    assert sched.kv.block_ids(c1.request_id) == [0, 1, 3] and sched.kv.block_ids(c2.request_id) == [0, 1, 4] and sched.kv.block_ids(parent.request_id) == [0, 1, 2]
     pool = sched.kv.pool
     assert [pool.blocks[i].ref_cnt for i in range(5)] == [3, 3, 1, 1, 1]
     drain(sched)
@@ -303,7 +304,7 @@ def test_prefix_cache_hit_skips_the_cached_tokens():
     b = Request("b", a.prompt_token_ids[:9] + [5, 5], SamplingParams(max_tokens=1))
     sched.add_request(b)
     got, out = step(sched)
-    assert got == [("b", 8, 3)] and b.block_ids == []  # finished after one token
-    assert out.scheduled[0].request.num_computed_tokens == 11
+    assert got == [("b", 8, 3)] and sched.kv.block_ids(b.request_id) == []  # finished after one token
+    assert out.scheduled[0].end == b.num_computed_tokens == 11
     assert b.num_cached_tokens == 8
     assert_empty(sched)

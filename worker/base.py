@@ -26,7 +26,7 @@ class WorkerBase:
         self.aengine = AsyncEngine(engine)
         self.worker_id = worker_id
         self.address = address
-        self.io = engine.runner.kv_blocks
+        self.io = engine.kv_blocks
         self.layout = layout_of(engine)
         self.draining = False
         self.metrics = metrics or WorkerMetrics(worker_id, self.role)
@@ -38,12 +38,12 @@ class WorkerBase:
             raise Draining(f"worker {self.worker_id} is draining")
 
     async def info(self) -> worker_pb2.InfoResponse:
-        e = self.engine
+        e, stats = self.engine, self.engine.stats()
         return worker_pb2.InfoResponse(
             worker_id=self.worker_id, role=self.role, model=str(e.config.model or "default"),
-            layout=self.layout.to_proto(), num_blocks=e.runner.num_blocks,
-            free_blocks=e.kv.num_free_blocks, max_model_len=e.max_model_len,
-            num_running=e.scheduler.num_running, num_waiting=e.scheduler.num_waiting,
+            layout=self.layout.to_proto(), num_blocks=stats.num_blocks,
+            free_blocks=stats.num_free_blocks, max_model_len=e.max_model_len,
+            num_running=stats.num_running, num_waiting=stats.num_waiting,
             transports=self.transports(), draining=self.draining,
         )
 
@@ -80,7 +80,7 @@ class WorkerBase:
         raise self._unimplemented("Preflight")
 
     async def abort(self, request_id: str) -> bool:
-        found = request_id in self.inflight or request_id in self.engine.scheduler.requests
+        found = request_id in self.inflight or self.engine.has_request(request_id)
         await self.aengine.abort(request_id)
         return found
 

@@ -44,10 +44,11 @@ class WorkerMetrics(RequestMetrics):
 
     def observe_engine(self, engine) -> None:
         """Refresh the gauges and counters that mirror engine state (every step)."""
-        self.running.set(engine.scheduler.num_running)
-        self.waiting.set(engine.scheduler.num_waiting)
-        self.kv_usage.set(engine.kv.usage)
-        q, h = engine.kv.prefix_queries, engine.kv.prefix_hits
+        stats = engine.stats()
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_usage)
+        q, h = stats.prefix_queries, stats.prefix_hits
         self.prefix_queries.inc(q - self._prefix_seen[0])
         self.prefix_hits.inc(h - self._prefix_seen[1])
         self._prefix_seen = (q, h)

@@ -1,9 +1,15 @@
-"""Attention with plain torch ops: the CPU backend, built on kernels.reference."""
+"""Attention with torch ops on any device, and a C kernel for CPU tensors.
+
+On the CPU, when the kernel in cpu_attention.py builds here, every sequence
+(decodes and prefills in one call) is served by it, reading the paged cache
+in place; otherwise, and on other devices, by kernels.reference.
+"""
 
 from __future__ import annotations
 
 import torch
 
+from engine.attention import cpu_attention
 from engine.attention.backend import AttentionBackend, AttentionMetadata
 from kernels import reference
 
@@ -11,8 +17,17 @@ from kernels import reference
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
+    def __init__(self, native: bool = True) -> None:
+        """``native=False`` keeps to kernels.reference everywhere."""
+        self.native = native
+
     def forward(self, query, key, value, k_cache, v_cache, meta: AttentionMetadata, scale):
         reference.store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+        if self.native and cpu_attention.supports(query, k_cache):
+            return cpu_attention.paged_attention(
+                query, k_cache, v_cache, meta.block_tables, meta.query_start_loc_cpu,
+                meta.seq_lens_cpu, scale,
+            )
         nd = meta.num_decode_seqs
         if nd == meta.num_seqs:
             return reference.paged_decode_attention(

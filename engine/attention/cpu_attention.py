@@ -1,0 +1,295 @@
+"""Paged attention on the CPU that reads keys and values in place.
+
+The torch reference (kernels/reference.py) gathers every sequence's blocks
+into new padded float32 tensors each layer and then runs SDPA; on a decode
+step that copying costs more than the attention itself. This C kernel walks
+each sequence's block table instead: one work item per (query token, kv
+head) scores the kv head's group of query heads against the cached keys in
+chunks with an online softmax (running max and sum, float32 accumulation),
+so nothing is gathered and nothing is padded. It serves decodes and
+prefills alike: query ``j`` of a sequence with ``q_len`` new tokens sees
+keys ``[0, seq_len - q_len + j]``, the reference's causal mask.
+
+Same maths as the reference up to float32 rounding order (the softmax is
+accumulated chunk by chunk rather than over the whole row at once).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from engine.attention import cbuild
+
+_SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { F32 = 0, BF16 = 1 };
+#define W 16          /* floats per vector */
+#define MAX_VECS 16   /* head_dim <= 256 */
+#define MAX_GROUP 16  /* query heads per kv head */
+#define CHUNK 32      /* keys per online-softmax step */
+
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+typedef uint32_t vu __attribute__((vector_size(64)));
+typedef uint16_t vh __attribute__((vector_size(32)));
+
+static inline vf splat(float x) { return (vf){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+
+/* 16 elements as float32; bf16 is the top half of a float32. */
+static inline __attribute__((always_inline)) vf load(const void *p, int dtype) {
+    vf x;
+    if (dtype == F32) {
+        memcpy(&x, p, sizeof x);
+    } else {
+        vh h;
+        memcpy(&h, p, sizeof h);
+        vu u = __builtin_convertvector(h, vu) << 16;
+        memcpy(&x, &u, sizeof x);
+    }
+    return x;
+}
+
+static inline vf vmax(vf a, vf b) {
+    vi keep = a > b;
+    return (vf)(((vi)a & keep) | ((vi)b & ~keep));
+}
+
+static inline float hsum(vf v) {
+    v += __builtin_shuffle(v, (vi){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    v += __builtin_shuffle(v, (vi){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+    v += __builtin_shuffle(v, (vi){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+    v += __builtin_shuffle(v, (vi){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+    return v[0];
+}
+
+static inline float hmax(vf v) {
+    float m = v[0];
+    for (int i = 1; i < W; i++) m = v[i] > m ? v[i] : m;
+    return m;
+}
+
+/* exp(x) for x <= 0 (scores minus their running max): 2^n * e^r with
+   |r| <= ln2/2 and a degree-6 Taylor polynomial, within ~2 ulp. */
+static inline vf vexp(vf x) {
+    x = vmax(x, splat(-87.f));
+    vf n = (x * splat(1.44269504f) + splat(12582912.f)) - splat(12582912.f);
+    vf r = x - n * splat(0.693145752f) - n * splat(1.42860677e-6f);
+    vf p = splat(1.f / 720);
+    p = p * r + splat(1.f / 120);
+    p = p * r + splat(1.f / 24);
+    p = p * r + splat(1.f / 6);
+    p = p * r + splat(0.5f);
+    p = p * r + splat(1.f);
+    p = p * r + splat(1.f);
+    vu e = (vu)(__builtin_convertvector(n, vi) + 127) << 23;
+    vf scale;
+    memcpy(&scale, &e, sizeof scale);
+    return p * scale;
+}
+
+static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* One query token against its `ctx` visible keys, for the `group` query
+   heads of kv head `g`. `nv` (vectors per head) and `dtype` are constants
+   at each call site, so this is specialised per head size and dtype. */
+static inline __attribute__((always_inline)) void attend_one(
+    void *out, int64_t os0, int64_t os1, const void *query, int64_t qs0, int64_t qs1,
+    const char *k_cache, const char *v_cache, int64_t cs0, int64_t cs1, int64_t cs2,
+    const int32_t *table, int64_t t, int g, int group, int ctx, const int nv, int block_size,
+    float scale, const int dtype)
+{
+    const int esz = dtype == F32 ? 4 : 2;
+    vf q[MAX_GROUP][MAX_VECS], acc[MAX_GROUP][MAX_VECS];
+    float sc[MAX_GROUP][CHUNK] __attribute__((aligned(64))), m[MAX_GROUP], l[MAX_GROUP];
+    for (int r = 0; r < group; r++) {
+        const char *qr = (const char *)query + (t * qs0 + ((int64_t)g * group + r) * qs1) * esz;
+        for (int j = 0; j < nv; j++) {
+            q[r][j] = load(qr + j * W * esz, dtype);
+            acc[r][j] = splat(0.f);
+        }
+        m[r] = -INFINITY;
+        l[r] = 0.f;
+    }
+    for (int c0 = 0; c0 < ctx; c0 += CHUNK) {
+        int n = ctx - c0 < CHUNK ? ctx - c0 : CHUNK;
+        for (int i = 0; i < n; i++) {
+            int pos = c0 + i;
+            int64_t off = (int64_t)table[pos / block_size] * cs0 + (pos % block_size) * cs1 + g * cs2;
+            vf k[MAX_VECS];
+            for (int j = 0; j < nv; j++) k[j] = load(k_cache + (off + j * W) * esz, dtype);
+            for (int r = 0; r < group; r++) {
+                vf s = q[r][0] * k[0];
+                for (int j = 1; j < nv; j++) s += q[r][j] * k[j];
+                sc[r][i] = hsum(s) * scale;
+            }
+        }
+        for (int r = 0; r < group; r++) {
+            for (int i = n; i < CHUNK; i++) sc[r][i] = -INFINITY;
+            vf v0, v1;
+            memcpy(&v0, sc[r], sizeof v0);
+            memcpy(&v1, sc[r] + W, sizeof v1);
+            float mx = hmax(vmax(v0, v1));
+            mx = mx > m[r] ? mx : m[r];
+            v0 = vexp(v0 - splat(mx));
+            v1 = vexp(v1 - splat(mx));
+            memcpy(sc[r], &v0, sizeof v0);
+            memcpy(sc[r] + W, &v1, sizeof v1);
+            float sum = 0.f;
+            for (int i = 0; i < n; i++) sum += sc[r][i];
+            float alpha = expf(m[r] - mx);
+            l[r] = l[r] * alpha + sum;
+            m[r] = mx;
+            if (alpha != 1.f)
+                for (int j = 0; j < nv; j++) acc[r][j] *= splat(alpha);
+        }
+        for (int i = 0; i < n; i++) {
+            int pos = c0 + i;
+            int64_t off = (int64_t)table[pos / block_size] * cs0 + (pos % block_size) * cs1 + g * cs2;
+            vf v[MAX_VECS];
+            for (int j = 0; j < nv; j++) v[j] = load(v_cache + (off + j * W) * esz, dtype);
+            for (int r = 0; r < group; r++) {
+                vf p = splat(sc[r][i]);
+                for (int j = 0; j < nv; j++) acc[r][j] += p * v[j];
+            }
+        }
+    }
+    for (int r = 0; r < group; r++) {
+        char *o = (char *)out + (t * os0 + ((int64_t)g * group + r) * os1) * esz;
+        vf inv = splat(l[r] > 0.f ? 1.f / l[r] : 0.f);
+        for (int j = 0; j < nv; j++) {
+            vf x = acc[r][j] * inv;
+            if (dtype == F32) {
+                memcpy(o + j * W * 4, &x, sizeof x);
+            } else {
+                for (int e = 0; e < W; e++) ((uint16_t *)o)[j * W + e] = to_bf16(x[e]);
+            }
+        }
+    }
+}
+
+/* Returns 0, or -1 when the shapes are outside what this kernel handles. */
+int paged_attention(
+    void *out, int64_t os0, int64_t os1,
+    const void *query, int64_t qs0, int64_t qs1,
+    const void *k_cache, const void *v_cache, int64_t cs0, int64_t cs1, int64_t cs2,
+    const int32_t *block_tables, int64_t bts0,
+    const int32_t *query_start_loc, const int32_t *seq_lens,
+    int num_seqs, int num_tokens, int num_heads, int num_kv_heads, int head_dim,
+    int block_size, float scale, int dtype)
+{
+    int group = num_heads / num_kv_heads, nv = head_dim / W;
+    if (head_dim % W || nv > MAX_VECS || group > MAX_GROUP || group * num_kv_heads != num_heads)
+        return -1;
+    int32_t *seq_of = malloc(sizeof(int32_t) * (num_tokens > 0 ? num_tokens : 1));
+    if (!seq_of) return -1;
+    for (int s = 0; s < num_seqs; s++)
+        for (int t = query_start_loc[s]; t < query_start_loc[s + 1]; t++) seq_of[t] = s;
+    int64_t items = (int64_t)num_tokens * num_kv_heads;
+    /* kv heads innermost: neighbouring items read the same cache blocks. */
+    #pragma omp parallel for schedule(dynamic, 4)
+    for (int64_t it = 0; it < items; it++) {
+        int64_t t = it / num_kv_heads;
+        int g = (int)(it % num_kv_heads);
+        int s = seq_of[t];
+        int q_len = query_start_loc[s + 1] - query_start_loc[s];
+        int ctx = seq_lens[s] - q_len + (int)(t - query_start_loc[s]) + 1;
+        const int32_t *table = block_tables + s * bts0;
+#define CALL(NV, DT) attend_one(out, os0, os1, query, qs0, qs1, (const char *)k_cache, \
+        (const char *)v_cache, cs0, cs1, cs2, table, t, g, group, ctx, NV, block_size, scale, DT)
+        if (dtype == BF16) {
+            if (nv == 4) CALL(4, BF16); else if (nv == 8) CALL(8, BF16); else CALL(nv, BF16);
+        } else {
+            if (nv == 4) CALL(4, F32); else if (nv == 8) CALL(8, F32); else CALL(nv, F32);
+        }
+#undef CALL
+    }
+    free(seq_of);
+    return 0;
+}
+"""
+
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+
+
+@functools.cache
+def _kernel():
+    lib = cbuild.load("cpu_attention", _SOURCE)
+    if lib is None:
+        return None
+    fn = lib.paged_attention
+    fn.restype = ctypes.c_int
+    fn.argtypes = [
+        _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR,
+        ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+        ctypes.c_float, ctypes.c_int,
+    ]
+    return fn
+
+
+def available() -> bool:
+    """Whether the kernel is built and loadable on this machine."""
+    return _kernel() is not None
+
+
+def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether ``paged_attention`` can serve these tensors (else use the reference)."""
+    return (query.device.type == "cpu" and query.dtype in _DTYPES
+            and k_cache.dtype == query.dtype and query.stride(-1) == 1
+            and k_cache.stride(-1) == 1 and query.shape[-1] <= 256 and query.shape[-1] % 16 == 0
+            and query.shape[1] % k_cache.shape[2] == 0 and query.shape[1] // k_cache.shape[2] <= 16
+            and available())
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int, on the host
+    seq_lens: torch.Tensor,  # [num_seqs] int, on the host
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Causal paged attention of every sequence's new tokens (decodes are
+    sequences with one), read straight from the cache. Check ``supports``
+    first. The new tokens' keys and values must already be in the cache."""
+    num_tokens, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    if v_cache.stride() != k_cache.stride():
+        raise ValueError("k_cache and v_cache must have the same layout")
+    if out is None:
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    if out.shape != query.shape or out.dtype != query.dtype or out.stride(-1) != 1:
+        raise ValueError(f"out must be {tuple(query.shape)} {query.dtype} with unit last stride")
+    tables = block_tables.to(torch.int32).contiguous()
+    qsl = query_start_loc.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    num_seqs = lens.shape[0]
+    if qsl.shape[0] != num_seqs + 1 or tables.shape[0] != num_seqs:
+        raise ValueError("query_start_loc needs num_seqs + 1 entries and block_tables num_seqs rows")
+    rc = _kernel()(
+        out.data_ptr(), out.stride(0), out.stride(1),
+        query.data_ptr(), query.stride(0), query.stride(1),
+        k_cache.data_ptr(), v_cache.data_ptr(), *k_cache.stride()[:3],
+        tables.data_ptr(), tables.stride(0), qsl.data_ptr(), lens.data_ptr(),
+        num_seqs, num_tokens, num_heads, num_kv_heads, head_dim, block_size, scale,
+        _DTYPES[query.dtype],
+    )
+    if rc != 0:
+        raise ValueError(f"unsupported attention shape: {num_heads} heads, {num_kv_heads} kv "
+                         f"heads, head_dim {head_dim}")
+    return out

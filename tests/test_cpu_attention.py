@@ -1,0 +1,142 @@
+"""The CPU attention kernel (engine/attention/cpu_attention.py) against
+kernels.reference: decodes, prefills, extends over cached tokens, and a
+mixed batch through the torch backend, on shuffled block tables whose unused
+slots hold a poison value.
+
+Tolerances: float32 1e-5 (only the order of float32 sums differs); bfloat16
+2e-2 (both round the same float32 result to bfloat16, so outputs differ by
+at most an ulp where that order tips a rounding).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine.attention import cpu_attention
+from engine.attention.backend import AttentionMetadata
+from engine.attention.torch_backend import TorchAttentionBackend
+from kernels import reference
+
+pytestmark = pytest.mark.skipif(not cpu_attention.available(),
+                                reason="no C compiler: the kernel falls back to torch ops")
+
+DTYPES = [torch.float32, torch.bfloat16]
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+POISON = 50.0
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    tol = TOL[ref.dtype]
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+def make_paged(lens, block_size, num_kv_heads, head_dim, dtype, seed=0):
+    """Caches with POISON in every slot no sequence owns, and shuffled block
+    tables padded with 0."""
+    g = torch.Generator().manual_seed(seed)
+    per_seq = [math.ceil(n / block_size) for n in lens]
+    num_blocks = sum(per_seq) + 2
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, POISON, dtype=dtype)
+    v_cache = torch.full(shape, POISON, dtype=dtype)
+    table = torch.zeros(len(lens), max(per_seq + [1]), dtype=torch.int32)
+    order = torch.randperm(num_blocks, generator=g)
+    taken = 0
+    for i, (n, nb) in enumerate(zip(lens, per_seq)):
+        table[i, :nb] = order[taken:taken + nb]
+        taken += nb
+        for pos in range(n):
+            b, off = int(table[i, pos // block_size]), pos % block_size
+            k_cache[b, off] = torch.randn(num_kv_heads, head_dim, generator=g).to(dtype)
+            v_cache[b, off] = torch.randn(num_kv_heads, head_dim, generator=g).to(dtype)
+    return k_cache, v_cache, table, torch.tensor(lens, dtype=torch.int32)
+
+
+def randn(*shape, dtype, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def starts_of(query_lens):
+    return torch.tensor([0] + list(torch.tensor(query_lens).cumsum(0)), dtype=torch.int32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 128), (8, 1, 32)])
+def test_decode_matches_reference(dtype, heads, kv_heads, head_dim):
+    # Lengths around the 16-token block boundary, one within a single token,
+    # and one longer than the kernel's 32-key softmax chunk.
+    lens = [1, 15, 16, 17, 32, 33, 70]
+    k_cache, v_cache, table, seq_lens = make_paged(lens, 16, kv_heads, head_dim, dtype)
+    query = randn(len(lens), heads, head_dim, dtype=dtype, seed=1)
+    ref = reference.paged_decode_attention(query, k_cache, v_cache, table, seq_lens, 0.125)
+    out = cpu_attention.paged_attention(query, k_cache, v_cache, table,
+                                        starts_of([1] * len(lens)), seq_lens, 0.125)
+    assert_close(out, ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_prefill_and_extend_match_reference(dtype):
+    # (cached, new): whole prompts, a chunk over cached blocks, one over a boundary.
+    spec = [(0, 5), (0, 16), (16, 9), (13, 40)]
+    lens = [c + q for c, q in spec]
+    k_cache, v_cache, table, seq_lens = make_paged(lens, 16, 2, 64, dtype)
+    qsl = starts_of([q for _, q in spec])
+    query = randn(int(qsl[-1]), 6, 64, dtype=dtype, seed=2)
+    ref = reference.paged_prefill_attention(query, k_cache, v_cache, table, qsl, seq_lens, 0.1)
+    out = cpu_attention.paged_attention(query, k_cache, v_cache, table, qsl, seq_lens, 0.1)
+    assert_close(out, ref)
+
+
+def test_strided_query_and_preallocated_out():
+    # The model hands in q as a view of the fused qkv projection.
+    lens = [3, 20]
+    k_cache, v_cache, table, seq_lens = make_paged(lens, 8, 1, 64, torch.float32)
+    qkv = randn(2, 4 * 64 + 2 * 64, dtype=torch.float32, seed=3)
+    query = qkv[:, : 4 * 64].view(2, 4, 64)
+    out = torch.full((2, 4, 64), float("nan"))
+    cpu_attention.paged_attention(query, k_cache, v_cache, table, starts_of([1, 1]), seq_lens,
+                                  0.125, out=out)
+    ref = reference.paged_decode_attention(query, k_cache, v_cache, table, seq_lens, 0.125)
+    assert_close(out, ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_backend_mixed_batch_matches_reference_backend(dtype):
+    # Two decodes then a prompt and an extend in one step; the backend stores
+    # every new token before attending.
+    block_size, kv_heads, group, head_dim = 16, 3, 3, 64
+    spec = [(16, 1), (40, 1), (0, 17), (15, 6)]  # (cached, new)
+    lens = [c + q for c, q in spec]
+    k_cache, v_cache, table, seq_lens = make_paged(lens, block_size, kv_heads, head_dim, dtype)
+    slots = [int(table[i, pos // block_size]) * block_size + pos % block_size
+             for i, (c, q) in enumerate(spec) for pos in range(c, c + q)]
+    qsl = starts_of([q for _, q in spec])
+    n = int(qsl[-1])
+    query = randn(n, kv_heads * group, head_dim, dtype=dtype, seed=5)
+    key = randn(n, kv_heads, head_dim, dtype=dtype, seed=6)
+    value = randn(n, kv_heads, head_dim, dtype=dtype, seed=7)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots), query_start_loc=qsl, seq_lens=seq_lens,
+        block_tables=table, query_start_loc_cpu=qsl.clone(), seq_lens_cpu=seq_lens.clone(),
+        num_decode_seqs=2, max_query_len=17, max_seq_len=max(lens),
+    )
+    outs, caches = [], []
+    for native in (True, False):
+        kc, vc = k_cache.clone(), v_cache.clone()
+        outs.append(TorchAttentionBackend(native).forward(query, key, value, kc, vc, meta, 0.125))
+        caches.append((kc, vc))
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    assert_close(outs[0], outs[1])
+
+
+def test_supports_only_what_it_computes():
+    cache = torch.zeros(2, 16, 2, 64)
+    assert cpu_attention.supports(torch.zeros(1, 4, 64), cache)
+    assert not cpu_attention.supports(torch.zeros(1, 4, 64, dtype=torch.float16),
+                                      cache.half())  # float16: the reference serves it
+    assert not cpu_attention.supports(torch.zeros(1, 4, 64), cache.bfloat16())  # mixed dtypes
+    assert not cpu_attention.supports(torch.zeros(1, 3, 64), cache)  # heads not a multiple
+    assert not cpu_attention.supports(torch.zeros(1, 4, 40), torch.zeros(2, 16, 2, 40))

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.layers.packed import PackedWeight
 from engine.parallel import TensorParallel
 
 
@@ -34,11 +35,12 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(x.masked_fill(outside[:, None], 0.0))
 
 
-def vocab_logits(hidden: torch.Tensor, weight: torch.Tensor,
-                 tp: TensorParallel) -> torch.Tensor | None:
+def vocab_logits(hidden: torch.Tensor, weight: torch.Tensor, tp: TensorParallel,
+                 packed: PackedWeight | None = None) -> torch.Tensor | None:
     """Float32 logits ``[num_rows, vocab]`` on rank 0 (None on the others)
-    from each rank's vocabulary slice of the head's ``weight``."""
-    local = F.linear(hidden, weight).float()
+    from each rank's vocabulary slice of the head's ``weight`` (multiplied
+    through ``packed``, the weight's packed copy, when given)."""
+    local = (F.linear(hidden, weight) if packed is None else packed.linear(hidden, weight)).float()
     if tp.size == 1:
         return local
     parts = tp.gather(local)

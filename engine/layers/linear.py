@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.layers.packed import Linear
 from engine.parallel import TensorParallel
 from engine.quantization import QuantConfig
 from engine.quantization.formats import to_tandem
@@ -36,7 +37,7 @@ def linear(
     local_in = in_features // size if parallel == "row" else in_features
     local_out = out_features // size if parallel == "column" else out_features
     if quant is None:
-        layer = nn.Linear(local_in, local_out, bias=bias)
+        layer = Linear(local_in, local_out, bias=bias)
         if parallel is not None:
             layer.weight.tp_dim = 0 if parallel == "column" else 1
             if layer.bias is not None:

@@ -17,6 +17,7 @@ from engine.config import ModelConfig
 from engine.layers.embedding import VocabParallelEmbedding, vocab_logits
 from engine.layers.linear import linear
 from engine.layers.norm import RMSNorm
+from engine.layers.packed import PackedWeight
 from engine.layers.rotary import RotaryEmbedding
 from engine.parallel import TensorParallel
 
@@ -112,6 +113,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else linear(
             cfg.hidden_size, cfg.vocab_size, False, None, False, tp, "column"
         )
+        # A tied head multiplies by the embedding table: its own packed copy.
+        self.head_packed = PackedWeight() if self.lm_head is None else self.lm_head.packed
 
     def forward(
         self,
@@ -130,7 +133,7 @@ class LlamaForCausalLM(nn.Module):
         with the same rows (with tensor parallelism each scores its slice of
         the vocabulary), the others get None."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return vocab_logits(hidden, weight, self.tp)
+        return vocab_logits(hidden, weight, self.tp, self.head_packed)
 
     # ---- weights ---------------------------------------------------------------
 

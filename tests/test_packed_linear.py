@@ -1,0 +1,51 @@
+"""bfloat16 CPU matmuls through a prepacked weight (engine/layers/packed.py)
+give exactly ``F.linear``'s outputs, and follow the weight when it changes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.layers.packed import Linear, PackedWeight
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")
+
+
+def randn(*shape, seed, dtype=torch.bfloat16):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_equals_f_linear(rows, bias):
+    layer = Linear(96, 160, bias=bias).to(torch.bfloat16)
+    x = randn(rows, 96, seed=rows)
+    with torch.inference_mode():
+        out = layer(x)
+    assert torch.equal(out, F.linear(x, layer.weight, layer.bias))
+
+
+def test_repacks_when_the_weight_is_written_or_replaced():
+    packed, weight = PackedWeight(), randn(32, 64, seed=1)
+    x = randn(4, 64, seed=2)
+    with torch.inference_mode():
+        assert torch.equal(packed.linear(x, weight), F.linear(x, weight))
+    weight.copy_(randn(32, 64, seed=3))  # in place: same storage, new version
+    other = randn(32, 64, seed=4)
+    with torch.inference_mode():
+        assert torch.equal(packed.linear(x, weight), F.linear(x, weight))
+        assert torch.equal(packed.linear(x, other), F.linear(x, other))
+        made_here = randn(32, 64, seed=5)  # an inference tensor: F.linear
+        assert torch.equal(packed.linear(x, made_here), F.linear(x, made_here))
+
+
+def test_other_dtypes_and_autograd_keep_f_linear():
+    layer = Linear(16, 8)
+    x = torch.randn(3, 16, requires_grad=True)
+    layer(x).sum().backward()  # float32 with gradients: plain F.linear
+    assert x.grad is not None
+    bf = Linear(16, 8).to(torch.bfloat16)
+    y = torch.randn(2, 3, 16).to(torch.bfloat16)  # leading dims are kept
+    with torch.inference_mode():
+        assert torch.equal(bf(y), F.linear(y, bf.weight, bf.bias))

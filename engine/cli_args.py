@@ -13,7 +13,7 @@ from functools import partial
 
 from engine.config import (
     ATTENTION_BACKENDS,
-    DTYPES,
+    DTYPE_CHOICES,
     LOAD_FORMATS,
     QUANTIZATIONS,
     CacheConfig,
@@ -36,7 +36,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None,
                    help="model directory or .gguf file (default: bundled SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default=engine("dtype"), choices=DTYPES)
+    g.add_argument("--dtype", default=engine("dtype"), choices=DTYPE_CHOICES)
     g.add_argument("--device", default=engine("device"), help="cpu, cuda or cuda:N")
     g.add_argument("--seed", type=int, default=engine("seed"))
     g.add_argument("--load-format", default=engine("load_format"), choices=LOAD_FORMATS,

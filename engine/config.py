@@ -16,6 +16,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
 # maps them to torch dtypes, keeping this module importable without torch).
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
 DTYPES = tuple(DTYPE_SIZES)
+DTYPE_CHOICES = ("auto", *DTYPES)  # what a user may ask for
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 LOAD_FORMATS = ("auto", "dummy")
 QUANTIZATIONS = ("gptq", "awq")
@@ -180,7 +181,10 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
-    dtype: str = "float32"
+    # "auto": bfloat16 where the hardware computes it natively (CUDA GPUs with
+    # bf16, CPUs with AVX512-BF16 or AMX), else float16 on CUDA and float32 on
+    # the CPU; resolved once when the engine starts (engine/dtypes.py).
+    dtype: str = "auto"
     device: str = "cpu"
     seed: int = 0
     attention_backend: str = "auto"
@@ -200,8 +204,10 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(
+                f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}"
+            )
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(
                 f"quantization must be 'gptq' or 'awq' (or unset), got {self.quantization!r}"

@@ -17,12 +17,14 @@ What a request's blocks go through, by caller::
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
 from collections.abc import Callable, Sequence
 
 from engine.config import EngineConfig, ModelConfig
+from engine.dtypes import resolve_dtype
 from engine.kv_cache_manager import KVCacheManager
 from engine.loader.resolve import resolve_model_dir
 from engine.model_runner import ModelRunner
@@ -39,6 +41,9 @@ logger = logging.getLogger("engine")
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        # "auto" and the like become what runs, once: everything below (and
+        # the KV layout workers compare) sees the concrete dtype.
+        config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype, config.device))
         self.config = config
         self.model_dir = resolve_model_dir(config.model,
                                            allow_no_weights=config.load_format == "dummy")
@@ -55,7 +60,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.outputs = OutputProcessor(self.tokenizer)
         logger.info(
-            "KV cache: %d blocks = %d tokens (block_size %d, %.1f MiB); max_model_len %d",
+            "dtype %s; KV cache: %d blocks = %d tokens (block_size %d, %.1f MiB); "
+            "max_model_len %d", config.dtype,
             self.runner.num_blocks, self.runner.num_blocks * cache.block_size,
             cache.block_size, self.runner.num_blocks * self.runner.block_bytes / 2**20,
             self.max_model_len,

@@ -75,8 +75,7 @@ def _generate(args: argparse.Namespace) -> int:
     device = args.device or _default_device()
     from tandem.llm import LLM
 
-    llm = LLM(args.model, device=device, dtype="float32" if device == "cpu" else "bfloat16",
-              tensor_parallel_size=args.tensor_parallel_size)
+    llm = LLM(args.model, device=device, tensor_parallel_size=args.tensor_parallel_size)
     engine = llm.engine
     try:
         engine.add_request("cli", args.prompt, params)

@@ -14,7 +14,9 @@ import signal
 import sys
 import threading
 
+from engine.config import DTYPE_CHOICES, CacheConfig, EngineConfig, default_of
 from tandem.cluster import LocalCluster
+from worker.cpu_cores import split_cores
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -29,8 +31,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--transport", default="grpc", choices=["grpc", "torch"])
     p.add_argument("--state-url", default=None,
                    help="Redis URL (default: the gateway's in-process store)")
-    p.add_argument("--kv-cache-gib", type=float, default=1.0)
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--kv-cache-gib", type=float,
+                   default=default_of(CacheConfig, "kv_cache_bytes") / (1 << 30),
+                   help="KV cache per worker on the CPU, in GiB")
+    p.add_argument("--dtype", default=default_of(EngineConfig, "dtype"), choices=DTYPE_CHOICES,
+                   help="auto: bfloat16 where the hardware has it natively, else float32")
     p.add_argument("--api-key", default=None)
     p.add_argument("--worker-arg", action="append", default=[],
                    help="extra flag passed to every worker (repeatable)")
@@ -45,9 +50,18 @@ def start_cluster(args: argparse.Namespace, cluster: LocalCluster):
     if args.state_url:
         common += ["--state-url", args.state_url]
     decode_role = "decode" if args.prefill > 0 else "both"
-    prefills = [cluster.start("prefill", [*common, "--transport", args.transport])
-                for _ in range(args.prefill)]
-    decodes = [cluster.start(decode_role, common) for _ in range(args.decode)]
+    # Each worker its own cores, unless the user placed them (or there are
+    # fewer cores than workers): full OpenMP teams side by side stall each other.
+    cores = None if any(a.startswith("--cpu-cores") for a in args.worker_arg) \
+        else split_cores(args.prefill + args.decode)
+
+    def placed(i: int) -> list[str]:
+        return [] if cores is None else ["--cpu-cores", cores[i]]
+
+    prefills = [cluster.start("prefill", [*common, "--transport", args.transport, *placed(i)])
+                for i in range(args.prefill)]
+    decodes = [cluster.start(decode_role, [*common, *placed(args.prefill + i)])
+               for i in range(args.decode)]
     gateway_args = [*model, "--host", args.host, "--port", str(args.port),
                     "--grpc-port", str(args.grpc_port), "--transport", args.transport]
     for p in prefills:

@@ -92,6 +92,8 @@ def make_engine(model_dir: Path | str, **kwargs):
     from tandem.llm import engine_config
 
     kwargs.setdefault("num_blocks", 256)
+    # float32 unless asked: the tests compare tokens with Hugging Face's float32.
+    kwargs.setdefault("dtype", "float32")
     return LLMEngine(engine_config(str(model_dir), **kwargs))
 
 

@@ -28,7 +28,7 @@ def model_dir():
 
 @pytest.fixture(scope="module")
 def llm(model_dir):
-    return LLM(str(model_dir), block_size=4, num_blocks=128, max_model_len=256)
+    return LLM(str(model_dir), dtype="float32", block_size=4, num_blocks=128, max_model_len=256)
 
 
 @pytest.fixture

@@ -97,13 +97,17 @@ def test_default_of_refuses_unknown_fields_and_required_ones():
 
 def test_one_dtype_table():
     torch = pytest.importorskip("torch")
-    from engine.dtypes import TORCH_DTYPES, torch_dtype
+    from engine.dtypes import TORCH_DTYPES, cpu_has_native_bf16, resolve_dtype, torch_dtype
 
     assert tuple(TORCH_DTYPES) == DTYPES
     for name, size in DTYPE_SIZES.items():
         assert torch_dtype(name) is getattr(torch, name) and torch_dtype(name).itemsize == size
     with pytest.raises(ValueError):
         torch_dtype("int8")
-    assert parse([]).dtype in DTYPES
+    assert parse([]).dtype == "auto"
+    assert resolve_dtype("auto", "cpu") == ("bfloat16" if cpu_has_native_bf16() else "float32")
+    assert resolve_dtype("float16", "cpu") == "float16"
+    with pytest.raises(ValueError):
+        resolve_dtype("float64", "cpu")
     with pytest.raises(SystemExit):
         parse(["--dtype", "float64"])

@@ -31,7 +31,7 @@ def test_graph_batch_sizes():
 def _padded_llm(tiny_dir: str) -> tuple[LLM, list[int]]:
     """An engine on the Triton backend whose decode steps go through the
     padded static buffers; returns it and the list of batch sizes run."""
-    llm = LLM(tiny_dir, block_size=4, num_blocks=96, max_num_batched_tokens=64,
+    llm = LLM(tiny_dir, dtype="float32", block_size=4, num_blocks=96, max_num_batched_tokens=64,
               attention_backend="triton", max_model_len=64)
     runner = llm.engine.runner
     assert runner.decode_graphs is None  # the CPU runs eagerly by default
@@ -56,7 +56,7 @@ def test_padded_decode_matches_eager(tiny_dir):
     # rows hold earlier steps' inputs.
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)
               for m in (3, 9, 5, 12, 7)]
-    eager = LLM(tiny_dir, block_size=4, num_blocks=96, max_num_batched_tokens=64,
+    eager = LLM(tiny_dir, dtype="float32", block_size=4, num_blocks=96, max_num_batched_tokens=64,
                 attention_backend="triton", max_model_len=64)
     expected = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
 

@@ -194,7 +194,8 @@ def tiny_src(tmp_path_factory):
 def _greedy(model_dir, backend="torch", **kwargs):
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (4, 11, 19)]
-    llm = LLM(str(model_dir), block_size=4, num_blocks=64, attention_backend=backend, **kwargs)
+    llm = LLM(str(model_dir), dtype="float32", block_size=4, num_blocks=64,
+              attention_backend=backend, **kwargs)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     out = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert llm.engine.kv.num_free_blocks == llm.engine.runner.num_blocks

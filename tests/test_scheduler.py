@@ -8,9 +8,9 @@ import itertools
 from engine.config import SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
-from engine.scheduler_output import ModelRunnerOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.scheduler_output import ModelRunnerOutput
 
 BS = 4
 _tokens = itertools.count(1000)

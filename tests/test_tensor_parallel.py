@@ -30,7 +30,7 @@ def _prompts():
 
 def _run(model: str, tp: int, params) -> list[list[int]]:
     # Small token budget: prompts are chunked; the shared prefix hits the cache.
-    llm = LLM(model, num_blocks=64, block_size=4, max_num_batched_tokens=16,
+    llm = LLM(model, dtype="float32", num_blocks=64, block_size=4, max_num_batched_tokens=16,
               tensor_parallel_size=tp)
     try:
         first = llm.generate(_prompts(), params, use_tqdm=False)
@@ -55,7 +55,7 @@ def test_vocabulary_is_split_and_prompt_logprobs_match(models):
                             logprobs=2)
     outs = {}
     for tp in (1, 2):
-        llm = LLM(models["llama-gqa"], num_blocks=32, block_size=4, max_num_batched_tokens=8,
+        llm = LLM(models["llama-gqa"], dtype="float32", num_blocks=32, block_size=4, max_num_batched_tokens=8,
                   tensor_parallel_size=tp)
         try:
             model = llm.engine.runner.model
@@ -79,7 +79,7 @@ def test_seeded_sampling_is_the_same_on_two_ranks(models):
 
 
 def test_shutdown_stops_the_follower_ranks(models):
-    llm = LLM(models["llama-gqa"], num_blocks=16, tensor_parallel_size=2)
+    llm = LLM(models["llama-gqa"], dtype="float32", num_blocks=16, tensor_parallel_size=2)
     procs = list(llm.engine.runner.followers.procs)
     assert [p.name for p in procs] == ["tandem-tp1"] and procs[0].is_alive()
     llm.engine.shutdown()
@@ -165,7 +165,7 @@ def test_cpu_ranks_share_the_cores_and_give_them_back(models):
     import torch
 
     before = torch.get_num_threads()
-    llm = LLM(models["llama-gqa"], num_blocks=16, tensor_parallel_size=2)
+    llm = LLM(models["llama-gqa"], dtype="float32", num_blocks=16, tensor_parallel_size=2)
     assert torch.get_num_threads() == max(1, os.cpu_count() // 2)
     llm.engine.shutdown()
     assert torch.get_num_threads() == before
@@ -175,7 +175,7 @@ def test_a_dead_follower_is_named_at_the_next_step(models):
     import os
     import signal
 
-    llm = LLM(models["llama-gqa"], num_blocks=16, tensor_parallel_size=2)
+    llm = LLM(models["llama-gqa"], dtype="float32", num_blocks=16, tensor_parallel_size=2)
     (proc,) = llm.engine.runner.followers.procs
     os.kill(proc.pid, signal.SIGKILL)
     proc.join(10)
@@ -218,7 +218,7 @@ def test_a_failed_command_breaks_the_group_for_good(models):
 
     from engine.errors import EngineUnusable
 
-    llm = LLM(models["llama-gqa"], num_blocks=16, tensor_parallel_size=2)
+    llm = LLM(models["llama-gqa"], dtype="float32", num_blocks=16, tensor_parallel_size=2)
     runner = llm.engine.runner
     (proc,) = runner.followers.procs
     heard = []

@@ -31,7 +31,7 @@ def test_triton_backend_matches_torch_backend(tiny_dir):
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     outputs = {}
     for backend in ("torch", "triton"):
-        llm = LLM(tiny_dir, block_size=4, num_blocks=64, max_num_batched_tokens=16,
+        llm = LLM(tiny_dir, dtype="float32", block_size=4, num_blocks=64, max_num_batched_tokens=16,
                   attention_backend=backend)
         assert llm.engine.runner.backend.name == backend
         model = llm.engine.runner.model

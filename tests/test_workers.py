@@ -73,7 +73,7 @@ def workers(model_dir):
 def offline(model_dir):
     from tandem import LLM
 
-    return LLM(str(model_dir), num_blocks=256)
+    return LLM(str(model_dir), dtype="float32", num_blocks=256)
 
 
 @pytest.fixture

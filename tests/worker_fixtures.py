@@ -29,7 +29,10 @@ from tandem.cluster import LocalCluster, Proc, free_port
 
 
 def worker_args(model_dir: Path | str, num_blocks: int, *extra: str) -> list[str]:
-    return ["--model", str(model_dir), "--num-blocks", str(num_blocks), "--grace", "5", *extra]
+    # float32 unless asked: tests compare workers' tokens with the offline engine's.
+    dtype = [] if "--dtype" in extra else ["--dtype", "float32"]
+    return ["--model", str(model_dir), "--num-blocks", str(num_blocks), "--grace", "5", *dtype,
+            *extra]
 
 
 @dataclass

@@ -17,6 +17,7 @@ from rpc.protos import worker_pb2, worker_pb2_grpc
 from rpc.server import GrpcServer, serve_until_signal
 from rpc.tracing import setup_tracing
 from worker.base import WorkerBase
+from worker.cpu_cores import format_cores, pin_to_cores
 from worker.registry import Registration
 from worker.servicer import WorkerServicer
 
@@ -42,6 +43,9 @@ def parser(description: str, roles: list[str]) -> argparse.ArgumentParser:
     g.add_argument("--transport", default="grpc", choices=["grpc", "torch"],
                    help="default KV transport of a prefill worker")
     g.add_argument("--log-format", default="plain", choices=["plain", "json"])
+    g.add_argument("--cpu-cores", default=None, metavar="LIST",
+                   help="compute only on these cores, e.g. 0-3 (one torch thread each); "
+                        "give workers that share a host disjoint lists")
     return p
 
 
@@ -54,6 +58,9 @@ def run(make_worker: WorkerFactory, description: str, roles: list[str],
 
 
 async def serve(make_worker: WorkerFactory, args: argparse.Namespace) -> None:
+    if args.cpu_cores is not None:
+        cores = pin_to_cores(args.cpu_cores)
+        logger.info("computing on cores %s", format_cores(cores))
     engine = LLMEngine(config_from_args(args))
     server = GrpcServer(args.host, args.port)
     host = args.advertise_host or args.host

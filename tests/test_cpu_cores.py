@@ -1,0 +1,56 @@
+"""Workers on one host get disjoint cores: parsing, dealing, and a real
+worker process pinned where it was told."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from engine_fixtures import tiny
+from worker_fixtures import start_worker
+
+from tandem.cluster import LocalCluster
+from worker.cpu_cores import format_cores, parse_cores, split_cores
+
+
+def test_core_lists_round_trip():
+    assert parse_cores("0-2,5") == [0, 1, 2, 5]
+    assert parse_cores(" 3 , 1-2") == [1, 2, 3]
+    assert format_cores([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+    assert format_cores(parse_cores("4,0-1")) == "0-1,4"
+    for bad in ("", "a", "3-1", "-1", "1-", "0,,1"):
+        with pytest.raises(ValueError):
+            parse_cores(bad)
+
+
+def test_split_deals_disjoint_even_shares():
+    assert split_cores(2, [0, 1]) == ["0", "1"]
+    assert split_cores(3, list(range(8))) == ["0-2", "3-5", "6-7"]
+    assert split_cores(2, [0, 2, 4, 6, 7]) == ["0,2,4", "6-7"]
+    assert split_cores(3, [0, 1]) is None  # fewer cores than workers: they share
+    shares = [parse_cores(s) for s in split_cores(4, list(range(16)))]
+    assert sorted(c for s in shares for c in s) == list(range(16))
+
+
+def _allowed_cores(pid: int) -> list[int]:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Cpus_allowed_list:"):
+            return parse_cores(line.split(":", 1)[1])
+    raise AssertionError("no Cpus_allowed_list")
+
+
+def test_a_worker_computes_on_the_cores_it_was_given():
+    core = sorted(os.sched_getaffinity(0))[-1]
+    model_dir = tiny("llama-gqa")[0]
+    with LocalCluster() as cluster:
+        w = start_worker(cluster, "both", model_dir, 32, "--cpu-cores", str(core))
+        assert _allowed_cores(w.proc.popen.pid) == [core]
+        assert f"computing on cores {core}" in w.proc.output()
+
+
+def test_a_core_the_process_may_not_use_is_refused():
+    from worker.cpu_cores import pin_to_cores
+
+    with pytest.raises(ValueError, match="not available"):
+        pin_to_cores(str(max(os.sched_getaffinity(0)) + 1))

@@ -57,6 +57,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    default=sched("max_num_batched_tokens"))
     g.add_argument("--max-n", type=int, default=sched("max_n"),
                    help="the most completions one request may ask for")
+    g.add_argument("--long-prefill-token-threshold", type=int,
+                   default=sched("long_prefill_token_threshold"),
+                   help="compute a longer prompt in chunks of at most this many tokens a step, "
+                        "so that shorter requests behind it start meanwhile")
     g.add_argument("--attention-backend", default=engine("attention_backend"),
                    choices=ATTENTION_BACKENDS)
     g.add_argument("--quantization", default=engine("quantization"), choices=QUANTIZATIONS,

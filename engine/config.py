@@ -170,9 +170,14 @@ class SchedulerConfig:
     max_model_len: int | None = None
     # The most completions one request may ask for (``n``).
     max_n: int = 16
+    # A prompt longer than this is computed at most this many tokens a step,
+    # so that requests queued behind it start meanwhile instead of waiting
+    # for the whole prompt. None: a prompt may take the step's whole budget.
+    long_prefill_token_threshold: int | None = 512
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_n"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_n",
+                     "long_prefill_token_threshold"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")

@@ -86,7 +86,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
             num_held = self.kv.num_held(request.request_id)
             while not self.kv.allocate_slots(request, num_new):
                 victim = self.running.pop()
@@ -110,7 +110,7 @@ class Scheduler:
             if request.num_computed_tokens == 0:
                 hits, num_hit = self.kv.get_computed_blocks(request)
             start = request.num_computed_tokens + num_hit
-            num_new = min(request.num_tokens - start, budget)
+            num_new = self._chunk(request.num_tokens - start, budget)
             num_held = self.kv.num_held(request.request_id)
             if not self.kv.allocate_slots(request, num_new, hits):
                 break
@@ -217,6 +217,11 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def _chunk(self, num_left: int, budget: int) -> int:
+        """How many of a request's ``num_left`` tokens to compute this step."""
+        cap = self.config.long_prefill_token_threshold
+        return min(num_left, budget, cap if cap is not None else num_left)
 
     @property
     def num_running(self) -> int:

@@ -40,6 +40,8 @@ def engine_config(
     tensor_parallel_size: int = default_of(EngineConfig, "tensor_parallel_size"),
     quantization: str | None = default_of(EngineConfig, "quantization"),
     max_n: int = default_of(SchedulerConfig, "max_n"),
+    long_prefill_token_threshold: int | None = default_of(SchedulerConfig,
+                                                          "long_prefill_token_threshold"),
 ) -> EngineConfig:
     """Build an EngineConfig from vLLM-style keyword arguments (defaults: the
     config dataclasses')."""
@@ -51,6 +53,7 @@ def engine_config(
         gpu_memory_utilization=gpu_memory_utilization, num_blocks=num_blocks,
         enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, max_n=max_n,
+        long_prefill_token_threshold=long_prefill_token_threshold,
     )
 
 

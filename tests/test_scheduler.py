@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
+
 from engine.config import SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
@@ -16,9 +18,11 @@ BS = 4
 _tokens = itertools.count(1000)
 
 
-def make_scheduler(num_blocks=64, budget=2048, max_num_seqs=256, caching=True, max_model_len=512):
+def make_scheduler(num_blocks=64, budget=2048, max_num_seqs=256, caching=True, max_model_len=512,
+                   long_prefill=None):
     kv = KVCacheManager(num_blocks, BS, enable_prefix_caching=caching)
-    cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
+    cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                          long_prefill_token_threshold=long_prefill)
     return Scheduler(cfg, kv, max_model_len)
 
 
@@ -85,6 +89,22 @@ def test_a_long_prompt_is_chunked_across_steps():
         [("a", 0, 8)], [("a", 8, 8)], [("a", 16, 3)], [("a", 19, 1)],
     ]
     assert sched.requests == {} and sched.kv.num_free_blocks == 64
+
+
+@pytest.mark.parametrize("long_prefill", [None, 8])
+def test_a_short_request_starts_while_a_long_prompt_computes(long_prefill):
+    sched = make_scheduler(budget=32, long_prefill=long_prefill)
+    sched.add_request(make_request("long", 100, max_tokens=1))
+    assert step(sched)[0] == [("long", 0, long_prefill or 32)]
+    sched.add_request(make_request("short", 4, max_tokens=1))
+    got = step(sched)[0]
+    if long_prefill is None:  # the long prompt takes the whole budget: the short one waits
+        assert got == [("long", 32, 32)]
+    else:  # it takes at most 8 a step, and the short one starts (and finishes) beside it
+        assert got == [("long", 8, 8), ("short", 0, 4)]
+        assert "short" not in sched.requests
+    drain(sched)
+    assert_empty(sched)
 
 
 def test_max_num_seqs():

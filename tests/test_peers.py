@@ -1,0 +1,102 @@
+"""The side-by-side harness's pure helpers (benchmarks/peers/harness.py): seeded workloads,
+token agreement, tables, and the command line's sizes. Nothing here needs vLLM, and no
+speed is checked."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+PEERS = Path(__file__).resolve().parent.parent / "benchmarks" / "peers"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"peers_{name}", PEERS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+harness = _load("harness")
+
+
+def test_workload_is_seeded_and_deterministic():
+    a = harness.make_workload("mixed", 16, (32, 512), (16, 256), 49152, seed=0)
+    b = harness.make_workload("mixed", 16, (32, 512), (16, 256), 49152, seed=0)
+    c = harness.make_workload("mixed", 16, (32, 512), (16, 256), 49152, seed=1)
+    assert a == b and a.sha256 == b.sha256
+    assert a.sha256 != c.sha256
+    assert all(32 <= len(p) <= 512 for p in a.prompts)
+    assert all(16 <= n <= 256 for n in a.output_lens)
+    assert all(harness.FIRST_PLAIN_TOKEN <= t < 49152 for p in a.prompts for t in p)
+    # A fixed seed means the same prompts on every machine, not just within one process.
+    assert a.prompts[0][:3] == harness.make_workload(
+        "mixed", 1, (32, 512), (16, 256), 49152, seed=0).prompts[0][:3]
+
+
+def test_uniform_workload_has_exact_lengths():
+    w = harness.make_workload("uniform", 64, (128, 128), (128, 128), 49152, seed=0)
+    assert [len(p) for p in w.prompts] == [128] * 64
+    assert w.output_lens == [128] * 64
+    assert w.num_output_tokens == 64 * 128 and w.num_prompt_tokens == 64 * 128
+    assert w.name in w.describe() and w.sha256[:16] in w.describe()
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"num_prompts": 0}, {"vocab_size": 50}, {"prompt_lens": (10, 5)}, {"output_lens": (0, 4)}])
+def test_workload_rejects_bad_sizes(kwargs):
+    args = {"name": "x", "num_prompts": 2, "prompt_lens": (4, 8), "output_lens": (4, 8),
+            "vocab_size": 1000, "seed": 0} | kwargs
+    with pytest.raises(ValueError):
+        harness.make_workload(**args)
+
+
+def test_token_agreement_counts_and_locates_partings():
+    same, parted = harness.token_agreement([[1, 2, 3], [4, 5, 6], [7, 8]],
+                                           [[1, 2, 3], [4, 9, 6], [7, 8, 1]])
+    assert same == 1
+    assert parted == [(1, 1), (2, 2)]
+    with pytest.raises(ValueError):
+        harness.token_agreement([[1]], [])
+
+
+def test_tables_render():
+    table = harness.offline_table([
+        {"workload": "uniform", "dtype": "float32", "vllm": [200.0, 250.0],
+         "tandem": [100.0], "same": 64, "total": 64, "load": "1.0 / 1.2"},
+        {"workload": "mixed", "dtype": "bfloat16", "vllm": [], "tandem": [90.0],
+         "same": None, "total": None},
+    ])
+    lines = table.splitlines()
+    assert len(lines) == 4 and len({len(line) for line in lines}) == 1
+    assert "| 250 (200) " in lines[2] and "| 0.40x " in lines[2] and "64/64" in lines[2]
+    assert "| -  " in lines[3]  # vLLM did not run: no number, no ratio
+    serving = harness.serving_table([
+        {"server": "vLLM", "rate": "inf", "ok": 64, "failed": 0, "output_tok_s": 343.2,
+         "ttft_p50_ms": 3300.0, "tpot_p50_ms": 135.4, "load": "2.0"}])
+    assert "| 343 " in serving and "3.30 s" in serving and "135 ms" in serving
+    with pytest.raises(ValueError):
+        harness.markdown_table(["a", "b"], [["1"]])
+
+
+def test_rate_and_ratio_cells():
+    assert harness.rate_cell([]) == "-"
+    assert harness.rate_cell([150.4, 246.0]) == "246 (150)"
+    assert harness.ratio_cell([100.0], [200.0]) == "0.50x"
+    assert harness.ratio_cell([100.0], []) == "-"
+
+
+def test_quick_flag_shrinks_every_size():
+    compare = _load("compare")
+    args = compare.parse_args(["--quick"])
+    assert args.num_prompts == 8 and args.dtypes == "float32"
+    assert args.serve_num_prompts == 8 and args.uniform_output_len < 128
+    args = compare.parse_args(["--quick", "--dtypes", "bfloat16"])
+    assert args.dtypes == "bfloat16"
+    full = compare.parse_args([])
+    assert (full.num_prompts, full.uniform_prompt_len, full.uniform_output_len) == (64, 128, 128)
+    assert compare.lengths("32-512") == (32, 512) and compare.lengths("7") == (7, 7)

@@ -140,3 +140,17 @@ def test_supports_only_what_it_computes():
     assert not cpu_attention.supports(torch.zeros(1, 4, 64), cache.bfloat16())  # mixed dtypes
     assert not cpu_attention.supports(torch.zeros(1, 3, 64), cache)  # heads not a multiple
     assert not cpu_attention.supports(torch.zeros(1, 4, 40), torch.zeros(2, 16, 2, 40))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_store_kv_matches_reference(dtype):
+    k_cache, v_cache = randn(6, 4, 2, 64, dtype=dtype, seed=0), randn(6, 4, 2, 64, dtype=dtype, seed=1)
+    kv = randn(7, 3, 2, 64, dtype=dtype, seed=2)
+    key, value = kv[:, 0], kv[:, 2]  # strided views, as the model's fused projection gives
+    slots = torch.tensor([13, 2, -1, 23, 0, -1, 4])
+    rk, rv = k_cache.clone(), v_cache.clone()
+    reference.store_kv(key, value, rk, rv, slots)
+    cpu_attention.store_kv(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, rk) and torch.equal(v_cache, rv)
+    cpu_attention.store_kv(key.float(), value.float(), k_cache, v_cache, slots)  # converts
+    assert torch.equal(k_cache, rk) and torch.equal(v_cache, rv)

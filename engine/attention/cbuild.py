@@ -54,9 +54,9 @@ def _compiler() -> str | None:
     return cc
 
 
-def load(name: str, source: str) -> ctypes.CDLL | None:
-    """The library built from ``source``, or None (logged) when it cannot be
-    built or loaded here."""
+def load(name: str, source: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The library built from ``source`` (with ``extra_flags`` after the
+    common ones), or None (logged) when it cannot be built or loaded here."""
     cc = _compiler()
     if cc is None:
         logger.info("no C compiler found: %s kernels fall back to torch ops", name)
@@ -64,23 +64,24 @@ def load(name: str, source: str) -> ctypes.CDLL | None:
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True,
                                  timeout=30).stdout
-        identity = "\0".join([source, " ".join(CFLAGS), version, _cpu_flags()])
+        flags = (*CFLAGS, *extra_flags)
+        identity = "\0".join([source, " ".join(flags), version, _cpu_flags()])
         key = hashlib.sha256(identity.encode()).hexdigest()[:16]
         path = _cache_root() / f"{name}-{key}.so"
         if not path.is_file():
-            _build(cc, source, path)
+            _build(cc, source, flags, path)
         return ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as e:
         logger.warning("could not build the %s kernels (%s): falling back to torch ops", name, e)
         return None
 
 
-def _build(cc: str, source: str, path: Path) -> None:
+def _build(cc: str, source: str, flags: tuple[str, ...], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         src, lib = Path(tmp) / "kernel.c", Path(tmp) / "kernel.so"
         src.write_text(source)
-        result = subprocess.run([cc, *CFLAGS, str(src), "-o", str(lib), "-lm"],
+        result = subprocess.run([cc, *flags, str(src), "-o", str(lib), "-lm"],
                                 capture_output=True, text=True, timeout=300)
         if result.returncode != 0:
             raise OSError(f"{cc} failed: {result.stderr.strip()[-2000:]}")

@@ -3,15 +3,18 @@
 The torch reference (kernels/reference.py) gathers every sequence's blocks
 into new padded float32 tensors each layer and then runs SDPA; on a decode
 step that copying costs more than the attention itself. This C kernel walks
-each sequence's block table instead: one work item per (query token, kv
-head) scores the kv head's group of query heads against the cached keys in
-chunks with an online softmax (running max and sum, float32 accumulation),
-so nothing is gathered and nothing is padded. It serves decodes and
-prefills alike: query ``j`` of a sequence with ``q_len`` new tokens sees
-keys ``[0, seq_len - q_len + j]``, the reference's causal mask.
+each sequence's block table instead: one work item per (kv head, tile of up
+to 16 / group consecutive new tokens of a sequence; a decode is a tile of
+one) scores the tile's query rows against the cached keys, loading each key
+and value row once for all of them, in chunks with an online softmax
+(running max and sum, float32 accumulation), so nothing is gathered and
+nothing is padded. It serves decodes and prefills alike: query ``j`` of a
+sequence with ``q_len`` new tokens sees keys ``[0, seq_len - q_len + j]``,
+the reference's causal mask. ``store_kv`` writes the step's keys and values.
 
 Same maths as the reference up to float32 rounding order (the softmax is
-accumulated chunk by chunk rather than over the whole row at once).
+accumulated chunk by chunk rather than over the whole row at once); the
+exponential is a polynomial of its own (within ~2 ulp of float32's).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ _SOURCE = r"""
 enum { F32 = 0, BF16 = 1 };
 #define W 16          /* floats per vector */
 #define MAX_VECS 16   /* head_dim <= 256 */
-#define MAX_GROUP 16  /* query heads per kv head */
+#define MAX_ROWS 16   /* query rows per work item: tokens x query heads per kv head */
 #define CHUNK 32      /* keys per online-softmax step */
 
 typedef float vf __attribute__((vector_size(64)));
@@ -102,20 +105,25 @@ static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch */
     return (uint16_t)(u >> 16);
 }
 
-/* One query token against its `ctx` visible keys, for the `group` query
-   heads of kv head `g`. `nv` (vectors per head) and `dtype` are constants
-   at each call site, so this is specialised per head size and dtype. */
-static inline __attribute__((always_inline)) void attend_one(
+/* A tile of `nt` consecutive query tokens of one sequence (starting at
+   token t0, which sees `ctx0` keys; token t0 + i sees ctx0 + i) against the
+   cached keys, for the `group` query heads of kv head `g`: rows = nt * group,
+   row r is token r / group, head r % group. Each key and value row is loaded
+   once for all rows. `nv` (vectors per head) and `dtype` are constants at
+   each call site, so this is specialised per head size and dtype. */
+static inline __attribute__((always_inline)) void attend_tile(
     void *out, int64_t os0, int64_t os1, const void *query, int64_t qs0, int64_t qs1,
     const char *k_cache, const char *v_cache, int64_t cs0, int64_t cs1, int64_t cs2,
-    const int32_t *table, int64_t t, int g, int group, int ctx, const int nv, int block_size,
-    float scale, const int dtype)
+    const int32_t *table, int64_t t0, int nt, int ctx0, int g, int group, const int nv,
+    int block_size, float scale, const int dtype)
 {
     const int esz = dtype == F32 ? 4 : 2;
-    vf q[MAX_GROUP][MAX_VECS], acc[MAX_GROUP][MAX_VECS];
-    float sc[MAX_GROUP][CHUNK] __attribute__((aligned(64))), m[MAX_GROUP], l[MAX_GROUP];
-    for (int r = 0; r < group; r++) {
-        const char *qr = (const char *)query + (t * qs0 + ((int64_t)g * group + r) * qs1) * esz;
+    const int rows = nt * group;
+    vf q[MAX_ROWS][MAX_VECS], acc[MAX_ROWS][MAX_VECS];
+    float sc[MAX_ROWS][CHUNK] __attribute__((aligned(64))), m[MAX_ROWS], l[MAX_ROWS];
+    for (int r = 0; r < rows; r++) {
+        int64_t t = t0 + r / group, h = (int64_t)g * group + r % group;
+        const char *qr = (const char *)query + (t * qs0 + h * qs1) * esz;
         for (int j = 0; j < nv; j++) {
             q[r][j] = load(qr + j * W * esz, dtype);
             acc[r][j] = splat(0.f);
@@ -123,21 +131,24 @@ static inline __attribute__((always_inline)) void attend_one(
         m[r] = -INFINITY;
         l[r] = 0.f;
     }
-    for (int c0 = 0; c0 < ctx; c0 += CHUNK) {
-        int n = ctx - c0 < CHUNK ? ctx - c0 : CHUNK;
+    const int ctx_max = ctx0 + nt - 1;
+    for (int c0 = 0; c0 < ctx_max; c0 += CHUNK) {
+        int n = ctx_max - c0 < CHUNK ? ctx_max - c0 : CHUNK;
         for (int i = 0; i < n; i++) {
             int pos = c0 + i;
             int64_t off = (int64_t)table[pos / block_size] * cs0 + (pos % block_size) * cs1 + g * cs2;
             vf k[MAX_VECS];
             for (int j = 0; j < nv; j++) k[j] = load(k_cache + (off + j * W) * esz, dtype);
-            for (int r = 0; r < group; r++) {
+            for (int r = 0; r < rows; r++) {
                 vf s = q[r][0] * k[0];
                 for (int j = 1; j < nv; j++) s += q[r][j] * k[j];
                 sc[r][i] = hsum(s) * scale;
             }
         }
-        for (int r = 0; r < group; r++) {
-            for (int i = n; i < CHUNK; i++) sc[r][i] = -INFINITY;
+        for (int r = 0; r < rows; r++) {
+            int valid = ctx0 + r / group - c0;  /* keys of this chunk row r sees */
+            valid = valid < 0 ? 0 : valid < n ? valid : n;
+            for (int i = valid; i < CHUNK; i++) sc[r][i] = -INFINITY;
             vf v0, v1;
             memcpy(&v0, sc[r], sizeof v0);
             memcpy(&v1, sc[r] + W, sizeof v1);
@@ -148,7 +159,8 @@ static inline __attribute__((always_inline)) void attend_one(
             memcpy(sc[r], &v0, sizeof v0);
             memcpy(sc[r] + W, &v1, sizeof v1);
             float sum = 0.f;
-            for (int i = 0; i < n; i++) sum += sc[r][i];
+            for (int i = 0; i < valid; i++) sum += sc[r][i];
+            for (int i = valid; i < CHUNK; i++) sc[r][i] = 0.f;
             float alpha = expf(m[r] - mx);
             l[r] = l[r] * alpha + sum;
             m[r] = mx;
@@ -160,14 +172,17 @@ static inline __attribute__((always_inline)) void attend_one(
             int64_t off = (int64_t)table[pos / block_size] * cs0 + (pos % block_size) * cs1 + g * cs2;
             vf v[MAX_VECS];
             for (int j = 0; j < nv; j++) v[j] = load(v_cache + (off + j * W) * esz, dtype);
-            for (int r = 0; r < group; r++) {
+            /* Rows of tokens that do not see key `pos` have p = 0: skip them. */
+            int first = pos < ctx0 ? 0 : (pos - ctx0 + 1) * group;
+            for (int r = first; r < rows; r++) {
                 vf p = splat(sc[r][i]);
                 for (int j = 0; j < nv; j++) acc[r][j] += p * v[j];
             }
         }
     }
-    for (int r = 0; r < group; r++) {
-        char *o = (char *)out + (t * os0 + ((int64_t)g * group + r) * os1) * esz;
+    for (int r = 0; r < rows; r++) {
+        int64_t t = t0 + r / group, h = (int64_t)g * group + r % group;
+        char *o = (char *)out + (t * os0 + h * os1) * esz;
         vf inv = splat(l[r] > 0.f ? 1.f / l[r] : 0.f);
         for (int j = 0; j < nv; j++) {
             vf x = acc[r][j] * inv;
@@ -176,6 +191,22 @@ static inline __attribute__((always_inline)) void attend_one(
             } else {
                 for (int e = 0; e < W; e++) ((uint16_t *)o)[j * W + e] = to_bf16(x[e]);
             }
+        }
+    }
+}
+
+/* Copy each token's key and value rows into its cache slot (-1: skip).
+   Caches are contiguous: a slot is `row` elements, kv head h at h * head_dim. */
+void store_kv(const char *key, int64_t ks0, int64_t ks1, const char *value, int64_t vs0,
+              int64_t vs1, char *k_cache, char *v_cache, const int64_t *slots,
+              int64_t num_tokens, int kv_heads, int head_dim, int esz)
+{
+    int64_t row = (int64_t)kv_heads * head_dim, bytes = (int64_t)head_dim * esz;
+    for (int64_t t = 0; t < num_tokens; t++) {
+        if (slots[t] < 0) continue;
+        for (int h = 0; h < kv_heads; h++) {
+            memcpy(k_cache + (slots[t] * row + h * head_dim) * esz, key + (t * ks0 + h * ks1) * esz, bytes);
+            memcpy(v_cache + (slots[t] * row + h * head_dim) * esz, value + (t * vs0 + h * vs1) * esz, bytes);
         }
     }
 }
@@ -191,24 +222,35 @@ int paged_attention(
     int block_size, float scale, int dtype)
 {
     int group = num_heads / num_kv_heads, nv = head_dim / W;
-    if (head_dim % W || nv > MAX_VECS || group > MAX_GROUP || group * num_kv_heads != num_heads)
+    if (head_dim % W || nv > MAX_VECS || group > MAX_ROWS || group * num_kv_heads != num_heads)
         return -1;
-    int32_t *seq_of = malloc(sizeof(int32_t) * (num_tokens > 0 ? num_tokens : 1));
-    if (!seq_of) return -1;
+    /* Tiles of up to `tile` consecutive new tokens of one sequence. */
+    int tile = MAX_ROWS / group;
+    int64_t num_tiles = 0;
     for (int s = 0; s < num_seqs; s++)
-        for (int t = query_start_loc[s]; t < query_start_loc[s + 1]; t++) seq_of[t] = s;
-    int64_t items = (int64_t)num_tokens * num_kv_heads;
+        num_tiles += (query_start_loc[s + 1] - query_start_loc[s] + tile - 1) / tile;
+    int32_t *tiles = malloc(sizeof(int32_t) * 2 * (num_tiles > 0 ? num_tiles : 1));
+    if (!tiles) return -1;
+    int64_t k = 0;
+    for (int s = 0; s < num_seqs; s++)
+        for (int t = query_start_loc[s]; t < query_start_loc[s + 1]; t += tile) {
+            tiles[2 * k] = s;
+            tiles[2 * k + 1] = t;
+            k++;
+        }
+    int64_t items = num_tiles * num_kv_heads;
     /* kv heads innermost: neighbouring items read the same cache blocks. */
-    #pragma omp parallel for schedule(dynamic, 4)
+    #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t it = 0; it < items; it++) {
-        int64_t t = it / num_kv_heads;
+        int s = tiles[2 * (it / num_kv_heads)], t0 = tiles[2 * (it / num_kv_heads) + 1];
         int g = (int)(it % num_kv_heads);
-        int s = seq_of[t];
-        int q_len = query_start_loc[s + 1] - query_start_loc[s];
-        int ctx = seq_lens[s] - q_len + (int)(t - query_start_loc[s]) + 1;
+        int end = query_start_loc[s + 1], q_len = end - query_start_loc[s];
+        int nt = end - t0 < tile ? end - t0 : tile;
+        int ctx0 = seq_lens[s] - q_len + (t0 - query_start_loc[s]) + 1;
         const int32_t *table = block_tables + s * bts0;
-#define CALL(NV, DT) attend_one(out, os0, os1, query, qs0, qs1, (const char *)k_cache, \
-        (const char *)v_cache, cs0, cs1, cs2, table, t, g, group, ctx, NV, block_size, scale, DT)
+#define CALL(NV, DT) attend_tile(out, os0, os1, query, qs0, qs1, (const char *)k_cache, \
+        (const char *)v_cache, cs0, cs1, cs2, table, t0, nt, ctx0, g, group, NV, block_size, \
+        scale, DT)
         if (dtype == BF16) {
             if (nv == 4) CALL(4, BF16); else if (nv == 8) CALL(8, BF16); else CALL(nv, BF16);
         } else {
@@ -216,7 +258,7 @@ int paged_attention(
         }
 #undef CALL
     }
-    free(seq_of);
+    free(tiles);
     return 0;
 }
 """
@@ -226,10 +268,13 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 
 @functools.cache
-def _kernel():
+def _library():
     lib = cbuild.load("cpu_attention", _SOURCE)
     if lib is None:
         return None
+    lib.store_kv.restype = None
+    lib.store_kv.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64,
+                             ctypes.c_int, ctypes.c_int, ctypes.c_int]
     fn = lib.paged_attention
     fn.restype = ctypes.c_int
     fn.argtypes = [
@@ -237,12 +282,12 @@ def _kernel():
         ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
         ctypes.c_float, ctypes.c_int,
     ]
-    return fn
+    return lib
 
 
 def available() -> bool:
     """Whether the kernel is built and loadable on this machine."""
-    return _kernel() is not None
+    return _library() is not None
 
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -252,6 +297,35 @@ def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
             and k_cache.stride(-1) == 1 and query.shape[-1] <= 256 and query.shape[-1] % 16 == 0
             and query.shape[1] % k_cache.shape[2] == 0 and query.shape[1] // k_cache.shape[2] <= 16
             and available())
+
+
+def store_kv(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], contiguous
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int, -1 = do not store
+) -> None:
+    """``reference.store_kv`` into caches ``supports`` accepts, in one pass
+    (the reference checks for skipped slots, then makes two index copies)."""
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("store_kv needs contiguous caches")
+    if v_cache.dtype != k_cache.dtype or key.shape != value.shape:
+        raise ValueError("caches must share a dtype, keys and values a shape")
+    if key.dtype != k_cache.dtype or key.stride(-1) != 1:
+        key = key.to(k_cache.dtype).contiguous()
+    if value.dtype != k_cache.dtype or value.stride(-1) != 1:
+        value = value.to(k_cache.dtype).contiguous()
+    num_tokens, kv_heads, head_dim = key.shape
+    if k_cache.shape[2:] != (kv_heads, head_dim) or v_cache.shape != k_cache.shape:
+        raise ValueError(f"caches of shape {tuple(k_cache.shape)} cannot hold keys "
+                         f"{tuple(key.shape)}")
+    slots = slot_mapping.to(torch.int64).contiguous()
+    _library().store_kv(
+        key.data_ptr(), key.stride(0), key.stride(1), value.data_ptr(), value.stride(0),
+        value.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), num_tokens,
+        kv_heads, head_dim, key.element_size(),
+    )
 
 
 def paged_attention(
@@ -281,7 +355,7 @@ def paged_attention(
     num_seqs = lens.shape[0]
     if qsl.shape[0] != num_seqs + 1 or tables.shape[0] != num_seqs:
         raise ValueError("query_start_loc needs num_seqs + 1 entries and block_tables num_seqs rows")
-    rc = _kernel()(
+    rc = _library().paged_attention(
         out.data_ptr(), out.stride(0), out.stride(1),
         query.data_ptr(), query.stride(0), query.stride(1),
         k_cache.data_ptr(), v_cache.data_ptr(), *k_cache.stride()[:3],

@@ -22,12 +22,13 @@ class TorchAttentionBackend(AttentionBackend):
         self.native = native
 
     def forward(self, query, key, value, k_cache, v_cache, meta: AttentionMetadata, scale):
-        reference.store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
-        if self.native and cpu_attention.supports(query, k_cache):
+        if self.native and cpu_attention.supports(query, k_cache) and k_cache.is_contiguous():
+            cpu_attention.store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
             return cpu_attention.paged_attention(
                 query, k_cache, v_cache, meta.block_tables, meta.query_start_loc_cpu,
                 meta.seq_lens_cpu, scale,
             )
+        reference.store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
         nd = meta.num_decode_seqs
         if nd == meta.num_seqs:
             return reference.paged_decode_attention(

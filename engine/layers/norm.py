@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.layers import cpu_ops
 from kernels import reference
 
 
@@ -24,4 +25,6 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns ``(norm(x + residual), x + residual)``."""
+        if self._rms_norm is reference.rms_norm and x.dim() == 2 and cpu_ops.supports(x):
+            return cpu_ops.rms_norm(x, self.weight, self.eps, residual)
         return self._rms_norm(x, self.weight, self.eps, residual)

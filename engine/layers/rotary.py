@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.layers import cpu_ops
 from kernels import reference
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -64,5 +65,10 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated ``q`` and ``k``; on the CPU in bfloat16 rotated in place."""
+        if (self._apply is reference.apply_rotary and cpu_ops.supports(q)
+                and cpu_ops.supports(k) and self.cos.device == q.device):
+            cpu_ops.rotary_(positions, q, k, self.cos, self.sin)
+            return q, k
         cos, sin = self.cos[positions], self.sin[positions]
         return self._apply(q, cos, sin), self._apply(k, cos, sin)

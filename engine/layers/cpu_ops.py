@@ -1,0 +1,220 @@
+"""RMSNorm, rotary and SiLU-and-mul for CPU tensors in one C pass each.
+
+kernels/reference.py computes both in float32 from the model's dtype with
+a dozen small torch ops (converts, adds, pows, means, muls, a cat and a
+convert back), each a pass over the activations. These C loops do each
+whole layer op in one pass, with the same float32 operations in the same
+order per element and the same round-to-nearest-even back to bfloat16; built
+with ``-ffp-contract=off`` so that no multiply-add is fused where torch
+rounds twice. Rotary is therefore bit-identical to the reference; RMSNorm
+sums each row's squares in its own order, so its float32 mean of squares
+may differ from torch's in the last bit.
+
+Only bfloat16 uses these (see ``supports``): there the reference's converts
+are most of its cost, while float32 keeps the reference ops, exactly Hugging
+Face's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from engine.attention import cbuild
+
+_SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+
+static inline vf splat(float x) { return (vf){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+
+static inline vf clamp(vf x, float lo, float hi) {
+    vi below = x < splat(lo), above = x > splat(hi);
+    x = (vf)(((vi)x & ~below) | ((vi)splat(lo) & below));
+    return (vf)(((vi)x & ~above) | ((vi)splat(hi) & above));
+}
+
+/* exp(x), 2^n * e^r with |r| <= ln2/2 and a degree-6 Taylor polynomial (~2 ulp). */
+static inline vf vexp(vf x) {
+    x = clamp(x, -87.f, 88.f);
+    vf n = (x * splat(1.44269504f) + splat(12582912.f)) - splat(12582912.f);
+    vf r = x - n * splat(0.693145752f) - n * splat(1.42860677e-6f);
+    vf p = splat(1.f / 720);
+    p = p * r + splat(1.f / 120);
+    p = p * r + splat(1.f / 24);
+    p = p * r + splat(1.f / 6);
+    p = p * r + splat(0.5f);
+    p = p * r + splat(1.f);
+    p = p * r + splat(1.f);
+    vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+    vf scale;
+    memcpy(&scale, &e, sizeof scale);
+    return p * scale;
+}
+
+static inline float bf16_in(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t bf16_out(float f) { /* round to nearest even, as torch */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* res_out = bf16(x + res) (or x); out = bf16(w * bf16(r * rsqrt(mean(r^2) + eps))). */
+void rms_norm_bf16(uint16_t *out, uint16_t *res_out, const uint16_t *x, const uint16_t *res,
+                   const uint16_t *weight, int64_t rows, int64_t cols, int64_t x_stride,
+                   int64_t res_stride, float eps)
+{
+    #pragma omp parallel for schedule(static) if (rows * cols > 65536)
+    for (int64_t i = 0; i < rows; i++) {
+        const uint16_t *xi = x + i * x_stride;
+        uint16_t *ri = res_out + i * cols, *oi = out + i * cols;
+        float sum = 0.f;
+        if (res) {
+            const uint16_t *si = res + i * res_stride;
+            for (int64_t j = 0; j < cols; j++) ri[j] = bf16_out(bf16_in(xi[j]) + bf16_in(si[j]));
+        } else {
+            memcpy(ri, xi, cols * sizeof(uint16_t));
+        }
+        #pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < cols; j++) {
+            float v = bf16_in(ri[j]);
+            sum += v * v;
+        }
+        float r = 1.f / sqrtf(sum / (float)cols + eps);
+        for (int64_t j = 0; j < cols; j++)
+            oi[j] = bf16_out(bf16_in(weight[j]) * bf16_in(bf16_out(bf16_in(ri[j]) * r)));
+    }
+}
+
+/* out = bf16(bf16(silu(gate)) * up) for x = [gate | up] rows, as F.silu(gate) * up. */
+void silu_mul_bf16(uint16_t *out, const uint16_t *x, int64_t rows, int64_t inner,
+                   int64_t x_stride)
+{
+    #pragma omp parallel for schedule(static) if (rows * inner > 65536)
+    for (int64_t i = 0; i < rows; i++) {
+        const uint16_t *gate = x + i * x_stride, *up = gate + inner;
+        uint16_t *o = out + i * inner;
+        for (int64_t j0 = 0; j0 < inner; j0 += 16) {
+            int n = inner - j0 < 16 ? (int)(inner - j0) : 16;
+            float g[16] = {0};
+            for (int j = 0; j < n; j++) g[j] = bf16_in(gate[j0 + j]);
+            vf gv;
+            memcpy(&gv, g, sizeof gv);
+            vf e = vexp(-gv);
+            for (int j = 0; j < n; j++) {
+                float silu = bf16_in(bf16_out(g[j] / (1.f + e[j])));
+                o[j0 + j] = bf16_out(silu * bf16_in(up[j0 + j]));
+            }
+        }
+    }
+}
+
+/* In place, "rotate half": (x1, x2) -> (x1 c - x2 s, x2 c + x1 s) for every head. */
+static inline void rotate_bf16(uint16_t *x, const float *c, const float *s, int half) {
+    for (int j = 0; j < half; j++) {
+        float x1 = bf16_in(x[j]), x2 = bf16_in(x[j + half]);
+        float a = x1 * c[j], b = x2 * s[j], d = x2 * c[j], e = x1 * s[j];
+        x[j] = bf16_out(a - b);
+        x[j + half] = bf16_out(d + e);
+    }
+}
+
+void rotary_bf16(uint16_t *q, int64_t qs0, int64_t qs1, int q_heads,
+                 uint16_t *k, int64_t ks0, int64_t ks1, int k_heads,
+                 const int64_t *positions, const float *cos, const float *sin,
+                 int64_t num_tokens, int head_dim)
+{
+    int half = head_dim / 2;
+    #pragma omp parallel for schedule(static) if (num_tokens > 256)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const float *c = cos + positions[t] * half, *s = sin + positions[t] * half;
+        for (int h = 0; h < q_heads; h++) rotate_bf16(q + t * qs0 + h * qs1, c, s, half);
+        for (int h = 0; h < k_heads; h++) rotate_bf16(k + t * ks0 + h * ks1, c, s, half);
+    }
+}
+"""
+
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+
+
+@functools.cache
+def _lib():
+    lib = cbuild.load("cpu_ops", _SOURCE, extra_flags=("-ffp-contract=off",))
+    if lib is None:
+        return None
+    lib.rms_norm_bf16.restype = None
+    lib.rms_norm_bf16.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64,
+                                  ctypes.c_float]
+    lib.silu_mul_bf16.restype = None
+    lib.silu_mul_bf16.argtypes = [_PTR, _PTR, _I64, _I64, _I64]
+    lib.rotary_bf16.restype = None
+    lib.rotary_bf16.argtypes = [_PTR, _I64, _I64, ctypes.c_int, _PTR, _I64, _I64, ctypes.c_int,
+                                _PTR, _PTR, _PTR, _I64, ctypes.c_int]
+    return lib
+
+
+def supports(x: torch.Tensor) -> bool:
+    """Whether these kernels serve ``x`` (bfloat16 on the CPU, rows with unit stride)."""
+    return (x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.stride(-1) == 1
+            and _lib() is not None)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``reference.rms_norm`` for 2-D bfloat16 ``x`` (check ``supports``)."""
+    rows, cols = x.shape
+    if weight.shape != (cols,) or weight.dtype != x.dtype or not weight.is_contiguous():
+        raise ValueError(f"weight must be a contiguous [{cols}] {x.dtype} tensor")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
+                                 or residual.stride(-1) != 1):
+        raise ValueError("residual must match x in shape and dtype, with unit last stride")
+    out = torch.empty((rows, cols), dtype=x.dtype)
+    new_residual = torch.empty((rows, cols), dtype=x.dtype)
+    _lib().rms_norm_bf16(
+        out.data_ptr(), new_residual.data_ptr(), x.data_ptr(),
+        None if residual is None else residual.data_ptr(), weight.data_ptr(), rows, cols,
+        x.stride(0), 0 if residual is None else residual.stride(0), eps,
+    )
+    return out, new_residual
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``F.silu(gate) * up`` for 2-D bfloat16 ``x = [gate | up]`` (check
+    ``supports``). SiLU's exp is this file's polynomial, not torch's, so a
+    bfloat16 output may differ from torch's by one ulp where that rounds apart."""
+    rows, width = x.shape
+    out = torch.empty((rows, width // 2), dtype=x.dtype)
+    _lib().silu_mul_bf16(out.data_ptr(), x.data_ptr(), rows, width // 2, x.stride(0))
+    return out
+
+
+def rotary_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+            sin: torch.Tensor) -> None:
+    """``reference.apply_rotary`` of q ``[tokens, heads, dim]`` and k ``[tokens,
+    kv_heads, dim]`` in place, with the rows of float32 ``cos``/``sin``
+    ``[max_position, dim / 2]`` at ``positions`` (check ``supports`` for both)."""
+    num_tokens, _, head_dim = q.shape
+    if k.shape[0] != num_tokens or k.shape[2] != head_dim or k.dtype != q.dtype:
+        raise ValueError("q and k need the same tokens, head_dim and dtype")
+    if cos.dtype != torch.float32 or not (cos.is_contiguous() and sin.is_contiguous()):
+        raise ValueError("cos and sin must be contiguous float32 tables")
+    pos = positions.to(torch.int64).contiguous()
+    _lib().rotary_bf16(
+        q.data_ptr(), q.stride(0), q.stride(1), q.shape[1],
+        k.data_ptr(), k.stride(0), k.stride(1), k.shape[1],
+        pos.data_ptr(), cos.data_ptr(), sin.data_ptr(), num_tokens, head_dim,
+    )

@@ -78,6 +78,19 @@ def uptime() -> str:
         return f"load average {os.getloadavg()}"
 
 
+def git_state() -> str:
+    """The checkout Tandem ran from: commit, and how many tracked files differed from it
+    (the checkout is shared with other work in progress)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                              capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=ROOT, capture_output=True, text=True).stdout.splitlines()
+    except OSError:
+        return "unknown"
+    return head + (f" + {len(dirty)} modified files" if dirty else "")
+
+
 class LoadSampler:
     """The 1-minute load average every few seconds while a run goes on."""
 
@@ -190,10 +203,12 @@ def offline_run(system: str, work_file: Path, dtype: str, args: argparse.Namespa
     else:
         cmd, env = [sys.executable, str(HERE / "tandem_offline.py"), *common], {}
     print(f"  {tag} ...", end="", flush=True)
+    checkout = git_state()
     t0 = time.monotonic()
     with LoadSampler() as load:
         rc = run_logged(cmd, env, out_dir / "logs" / f"{tag}.log", args.run_timeout)
     result = {"system": system, "dtype": dtype, "rc": rc, "command": " ".join(cmd),
+              "checkout": checkout,
               "env": env, "load": load.summary(), "log": str(out_dir / "logs" / f"{tag}.log")}
     if rc == 0 and out.is_file():
         result.update(json.loads(out.read_text()))
@@ -319,7 +334,8 @@ def run_serving(args: argparse.Namespace, out_dir: Path, model_dir: Path
         log = out_dir / "logs" / f"serve-{server}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         print(f"  {server}: starting ...", end="", flush=True)
-        run = {"server": server, "command": " ".join(cmd), "env": env, "log": str(log)}
+        run = {"server": server, "command": " ".join(cmd), "env": env, "log": str(log),
+               "checkout": git_state()}
         t0 = time.monotonic()
         with open(log, "w") as fh, LoadSampler() as load:
             proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **env}, stdout=fh,
@@ -509,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
           f"load    {uptime()}\nresults {out_dir}", flush=True)
     began = time.monotonic()
     payload: dict = {"command": command, "machine": info, "model_dir": str(model_dir),
-                     "seed": args.seed, "start": uptime()}
+                     "seed": args.seed, "start": uptime(), "checkout": git_state()}
     sections = []
     offline_rows: list[dict] = []
     serving_rows: list[dict] = []
@@ -534,6 +550,7 @@ def main(argv: list[str] | None = None) -> int:
     payload["elapsed_s"] = time.monotonic() - began
     header = markdown_table(["", ""], [["command", f"`{command}`"],
                                        ["machine", f"{info['cpu']}, {info['cpus']} cpus"],
+                                       ["Tandem checkout", payload["checkout"]],
                                        ["load at start", payload["start"]],
                                        ["load at end", payload["end"]]])
     table = "\n\n".join([header, *sections]) + "\n\nload avg: mean of the 1-minute load " \

@@ -154,3 +154,17 @@ def test_store_kv_matches_reference(dtype):
     assert torch.equal(k_cache, rk) and torch.equal(v_cache, rv)
     cpu_attention.store_kv(key.float(), value.float(), k_cache, v_cache, slots)  # converts
     assert torch.equal(k_cache, rk) and torch.equal(v_cache, rv)
+
+
+def test_kernel_library_is_built_once_and_absent_without_a_compiler(monkeypatch, tmp_path):
+    from engine.attention import cbuild
+
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    lib = cbuild.load("probe", "int probe(void) { return 42; }")
+    assert lib is not None and lib.probe() == 42
+    (built,) = (tmp_path / "kernels").glob("probe-*.so")
+    mtime = built.stat().st_mtime_ns
+    assert cbuild.load("probe", "int probe(void) { return 42; }").probe() == 42
+    assert built.stat().st_mtime_ns == mtime  # cached, not rebuilt
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    assert cbuild.load("probe2", "int probe(void) { return 1; }") is None

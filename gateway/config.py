@@ -47,13 +47,24 @@ class GatewayConfig:
     finished_ttl_s: int = _opt(3600, "seconds finished request records are kept",
                                flag="--finished-ttl")
     drain_grace_s: float = _opt(10.0, flag="--grace")
+    # Limits, checked before any work is done or anything allocated for a
+    # request (docs/reliability.md): a request over one gets a 4xx.
+    max_body_bytes: int = _opt(8 << 20, "largest REST request body (413 above)")
+    max_n: int = _opt(16, "most completions one request may ask for (n)")
+    max_prompts: int = _opt(64, "most prompts in one /v1/completions request")
+    max_messages: int = _opt(1024, "most messages in one chat request")
+    max_stop: int = _opt(16, "most stop strings plus stop token ids in one request")
+    max_stop_chars: int = _opt(1024, "longest stop string, in characters")
+    tokenizer_threads: int = _opt(2, "threads that tokenize off the event loop")
     extra: dict = _opt({}, cli=False)
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be 'grpc' or 'torch', got {self.transport!r}")
-        if self.max_active_requests < 1:
-            raise ValueError("max_active_requests must be at least 1")
+        for name in ("max_active_requests", "max_body_bytes", "max_n", "max_prompts",
+                     "max_messages", "max_stop", "max_stop_chars", "tokenizer_threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
 
 
 def cli_fields() -> list[dataclasses.Field]:

@@ -25,9 +25,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         service.check_model(request.model or None)
         params = params_from_proto(request.params)
         if request.WhichOneof("prompt") == "text":
-            prompt = service.tokenize_prompt(request.text)
+            prompt = await service.off_loop(service.tokenize_prompt, request.text)
         elif request.WhichOneof("prompt") == "token_ids":
-            prompt = service.tokenize_prompt(list(request.token_ids.ids))
+            prompt = await service.off_loop(service.tokenize_prompt, list(request.token_ids.ids))
         else:
             raise ValueError("prompt must not be empty")
         if not request.params.max_tokens:
@@ -35,7 +35,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             # length, known only after tokenizing.
             params = dataclasses.replace(
                 params, max_tokens=min(16, service.default_max_tokens(prompt)))
-        service.check_length(prompt, params)
+        service.check_request(prompt, params)
         request_id = request.request_id or f"grpc-{uuid.uuid4().hex}"
         completion_tokens = 0
         cached = 0

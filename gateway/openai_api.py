@@ -110,7 +110,13 @@ def build_app(service: GatewayService) -> FastAPI:
             if not hmac.compare_digest(given.encode(), key.encode()):
                 return error_response(Unauthorized("Incorrect or missing API key"))
         if request.method == "POST":
+            limit = service.config.max_body_bytes
+            declared = request.headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > limit:
+                return _too_large(limit)
             body = await request.body()
+            if len(body) > limit:  # a chunked body declares no length
+                return _too_large(limit)
             try:
                 body.decode("utf-8")
             except UnicodeDecodeError:
@@ -150,13 +156,16 @@ def build_app(service: GatewayService) -> FastAPI:
         if body.echo or body.suffix or (body.best_of or 1) > 1 or body.logit_bias:
             raise ValueError("echo, suffix, best_of and logit_bias are not supported")
         prompts = _prompts(body.prompt)
+        if len(prompts) > service.config.max_prompts:
+            raise ValueError(f"at most {service.config.max_prompts} prompts are allowed in one "
+                             f"request, got {len(prompts)}")
         with _child(span, "gateway.tokenize"):
-            token_lists = [service.tokenize_prompt(p) for p in prompts]
+            token_lists = [await service.off_loop(service.tokenize_prompt, p) for p in prompts]
         params = [body.sampling(
             body.max_tokens if body.max_tokens is not None else service.default_max_tokens(t),
             body.logprobs) for t in token_lists]
         for t, p in zip(token_lists, params):
-            service.check_length(t, p)
+            service.check_request(t, p)
         rid = f"cmpl-{uuid.uuid4().hex}"
         render = CompletionRenderer(service, rid, len(token_lists), params[0].n,
                                      body.logprobs or 0)
@@ -170,9 +179,13 @@ def build_app(service: GatewayService) -> FastAPI:
         service.check_model(body.model)
         if body.tools or body.logit_bias:
             raise ValueError("tools and logit_bias are not supported")
+        if len(body.messages) > service.config.max_messages:
+            raise ValueError(f"at most {service.config.max_messages} messages are allowed, "
+                             f"got {len(body.messages)}")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         with _child(span, "gateway.tokenize"):
-            tokens = service.tokenize_chat(messages, body.add_generation_prompt)
+            tokens = await service.off_loop(service.tokenize_chat, messages,
+                                            body.add_generation_prompt)
         # NOTE: not `or`: an explicit 0 is invalid (400), not "unset".
         max_tokens = (body.max_completion_tokens if body.max_completion_tokens is not None
                       else body.max_tokens)
@@ -182,12 +195,17 @@ def build_app(service: GatewayService) -> FastAPI:
         if body.logprobs and top is None:
             top = 0
         params = body.sampling(max_tokens, top)
-        service.check_length(tokens, params)
+        service.check_request(tokens, params)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         render = ChatRenderer(service, rid, params.n, top or 0)
         return await _answer(render, _merge(service, rid, [tokens], [params], span), body)
 
     return app
+
+
+def _too_large(limit: int) -> JSONResponse:
+    return JSONResponse(error_body(f"the request body is larger than {limit} bytes",
+                                   "invalid_request_error"), 413)
 
 
 async def _traced(name: str, request: Request, handler, body):

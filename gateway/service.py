@@ -7,8 +7,10 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any, TypeVar
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -30,6 +32,7 @@ from rpc.tracing import tracer
 _tracer = tracer("tandem.gateway")
 
 logger = logging.getLogger("gateway")
+T = TypeVar("T")
 
 
 class ModelNotFound(NotFound):
@@ -56,6 +59,7 @@ class GatewayService:
         self.active = 0
         self.draining = False
         self.created = int(time.time())
+        self._cpu = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
 
     async def start(self) -> None:
         await self.pool.start()
@@ -64,6 +68,7 @@ class GatewayService:
         await self.pool.stop()
         await self.store.close()
         await self.channels.close()
+        self._cpu.shutdown(wait=False, cancel_futures=True)
 
     async def drain(self) -> None:
         """Refuse new requests (503 / UNAVAILABLE); wait for active ones."""
@@ -94,7 +99,22 @@ class GatewayService:
     def default_max_tokens(self, prompt: list[int]) -> int:
         return max(1, self.max_model_len - len(prompt))
 
-    def check_length(self, prompt: list[int], params: SamplingParams) -> None:
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(*args)`` (tokenizing, chat templating) on the tokenizer
+        threads: a 10 MB prompt must not stall every other request's stream."""
+        return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
+
+    def check_request(self, prompt: list[int], params: SamplingParams) -> None:
+        """ValueError (a 400) for a request over a limit or the context."""
+        cfg = self.config
+        if params.n > cfg.max_n:
+            raise ValueError(f"n must be at most {cfg.max_n}, got {params.n}")
+        num_stop = len(params.stop) + len(params.stop_token_ids)
+        if num_stop > cfg.max_stop:
+            raise ValueError(f"at most {cfg.max_stop} stop strings and stop token ids are "
+                             f"allowed, got {num_stop}")
+        if any(len(s) > cfg.max_stop_chars for s in params.stop):
+            raise ValueError(f"a stop string may have at most {cfg.max_stop_chars} characters")
         total = len(prompt) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(
@@ -110,7 +130,7 @@ class GatewayService:
                        trace_parent: otel_context.Context | None = None,
                        ) -> AsyncIterator[Chunk]:
         """Admitted, measured generation of a prompt and parameters the
-        caller has checked (``check_length``). Raises Draining (503) or
+        caller has checked (``check_request``). Raises Draining (503) or
         Overloaded (429) before the first chunk."""
         if self.draining:
             raise Draining("the server is shutting down")

@@ -15,6 +15,9 @@ KNOWN_FLAGS = {
     "--model", "--served-model-name", "--prefill", "--decode", "--state-url", "--api-key",
     "--transport", "--max-model-len", "--max-active-requests", "--lease-ms",
     "--max-attempts", "--finished-ttl", "--grace",
+    # Request limits.
+    "--max-body-bytes", "--max-n", "--max-prompts", "--max-messages", "--max-stop",
+    "--max-stop-chars", "--tokenizer-threads",
 }
 
 

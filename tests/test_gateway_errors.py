@@ -64,6 +64,12 @@ COMPLETION_CASES = {
     "negative_token": ({"prompt": [1, -2]}, "prompt"),
     "echo": ({"echo": True}, "echo"),
     "best_of": ({"best_of": 3}, "best_of"),
+    # Limits (gateway/config.py), checked before anything is allocated.
+    "n_over_max_n": ({"n": 17}, "n must be at most 16"),
+    "huge_n": ({"n": 1099511627776}, "n must be at most 16"),
+    "too_many_stops": ({"stop": [f"s{i}" for i in range(17)]}, "stop"),
+    "long_stop": ({"stop": ["x" * 1025]}, "stop string"),
+    "too_many_prompts": ({"prompt": ["hi"] * 65}, "at most 64 prompts"),
 }
 
 
@@ -74,6 +80,15 @@ def test_completion_invalid_params_are_400(http, case):
     error = assert_error(http.post("/v1/completions", json=body), 400)
     assert error["type"] == "invalid_request_error"
     assert mention in error["message"], error
+
+
+def test_non_finite_floats_are_400(http):
+    for value in (b"NaN", b"Infinity", b"-Infinity", b"1e999"):
+        body = b'{"model": "%s", "prompt": "hi", "max_tokens": 2, "temperature": %s}' % (
+            SERVED.encode(), value)
+        error = assert_error(http.post("/v1/completions", content=body,
+                                       headers={"content-type": "application/json"}), 400)
+        assert "temperature" in error["message"], (value, error)
 
 
 def test_missing_prompt_is_400(http):
@@ -94,6 +109,8 @@ CHAT_CASES = {
     "image_part": {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]},
     "tools": {"tools": [{"type": "function", "function": {"name": "f"}}]},
+    "huge_n": {"n": 10000},
+    "too_many_messages": {"messages": [{"role": "user", "content": "hi"}] * 1025},
 }
 
 
@@ -125,6 +142,21 @@ def test_prompt_longer_than_the_context(http):
     error = assert_error(http.post("/v1/chat/completions", json={
         "model": SERVED, "messages": [{"role": "user", "content": "hello " * 1200}]}), 400)
     assert "1024" in error["message"], error
+
+
+def test_a_body_over_the_limit_is_413_and_the_gateway_stays_responsive(http):
+    big = {"model": SERVED, "prompt": "a" * (8 << 20), "max_tokens": 1}
+    error = assert_error(http.post("/v1/completions", json=big), 413)
+    assert "larger than" in error["message"]
+    # Announced as small, sent big (or chunked): counted as it arrives.
+    def chunks():
+        yield b'{"model": "x", "prompt": "'
+        for _ in range(9):
+            yield b"a" * (1 << 20)
+        yield b'"}'
+    assert_error(http.post("/v1/completions", content=chunks(),
+                           headers={"content-type": "application/json"}), 413)
+    assert http.get("/health").status_code == 200
 
 
 def test_malformed_json_is_400(http):

@@ -90,6 +90,28 @@ def test_prefill_and_extend_match_reference(dtype):
     assert_close(out, ref)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_long_prefills_by_sdpa_match_reference(dtype):
+    # (cached, new): a whole prompt, a chunk after cached blocks, and one too
+    # short for SDPA, whose rows must be left alone.
+    spec = [(0, 40), (13, 35), (5, 3)]
+    lens = [c + q for c, q in spec]
+    k_cache, v_cache, table, seq_lens = make_paged(lens, 16, 3, 64, dtype)
+    qsl = starts_of([q for _, q in spec])
+    query = randn(int(qsl[-1]), 9, 64, dtype=dtype, seed=4)
+    ref = reference.paged_prefill_attention(query, k_cache, v_cache, table, qsl, seq_lens, 0.1)
+    out = torch.full_like(query, float("nan"))
+    cpu_attention.prefill_sdpa(query, k_cache, v_cache, table, qsl, seq_lens, 0.1, out, 32)
+    assert_close(out[:75], ref[:75])
+    assert out[75:].isnan().all()
+    # ...and the C kernel leaves the long ones to it.
+    out = torch.full_like(query, float("nan"))
+    cpu_attention.paged_attention(query, k_cache, v_cache, table, qsl, seq_lens, 0.1, out=out,
+                                  max_query_len=31)
+    assert out[:75].isnan().all()
+    assert_close(out[75:], ref[75:])
+
+
 def test_strided_query_and_preallocated_out():
     # The model hands in q as a view of the fused qkv projection.
     lens = [3, 20]
@@ -105,10 +127,11 @@ def test_strided_query_and_preallocated_out():
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 def test_backend_mixed_batch_matches_reference_backend(dtype):
-    # Two decodes then a prompt and an extend in one step; the backend stores
+    # Two decodes, then prompts and extends in one step, short ones (the C
+    # kernel) and long ones (SDPA over gathered blocks); the backend stores
     # every new token before attending.
     block_size, kv_heads, group, head_dim = 16, 3, 3, 64
-    spec = [(16, 1), (40, 1), (0, 17), (15, 6)]  # (cached, new)
+    spec = [(16, 1), (40, 1), (0, 17), (15, 6), (0, 33), (20, 40)]  # (cached, new)
     lens = [c + q for c, q in spec]
     k_cache, v_cache, table, seq_lens = make_paged(lens, block_size, kv_heads, head_dim, dtype)
     slots = [int(table[i, pos // block_size]) * block_size + pos % block_size
@@ -121,7 +144,7 @@ def test_backend_mixed_batch_matches_reference_backend(dtype):
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots), query_start_loc=qsl, seq_lens=seq_lens,
         block_tables=table, query_start_loc_cpu=qsl.clone(), seq_lens_cpu=seq_lens.clone(),
-        num_decode_seqs=2, max_query_len=17, max_seq_len=max(lens),
+        num_decode_seqs=2, max_query_len=40, max_seq_len=max(lens),
     )
     outs, caches = [], []
     for native in (True, False):

@@ -23,8 +23,10 @@ import ctypes
 import functools
 
 import torch
+import torch.nn.functional as F
 
 from engine.attention import cbuild
+from kernels import reference
 
 _SOURCE = r"""
 #include <math.h>
@@ -225,7 +227,7 @@ int paged_attention(
     const int32_t *block_tables, int64_t bts0,
     const int32_t *query_start_loc, const int32_t *seq_lens,
     int num_seqs, int num_tokens, int num_heads, int num_kv_heads, int head_dim,
-    int block_size, float scale, int dtype)
+    int block_size, float scale, int dtype, int max_query_len)
 {
     int group = num_heads / num_kv_heads, nv = head_dim / W;
     if (head_dim % W || nv > MAX_VECS || group > MAX_ROWS || group * num_kv_heads != num_heads)
@@ -233,13 +235,15 @@ int paged_attention(
     /* Tiles of up to `tile` consecutive new tokens of one sequence. */
     int tile = MAX_ROWS / group;
     int64_t num_tiles = 0;
+    /* Sequences with more new tokens than max_query_len are left to the caller. */
+#define SERVED(s) (query_start_loc[(s) + 1] - query_start_loc[s] <= max_query_len)
     for (int s = 0; s < num_seqs; s++)
-        num_tiles += (query_start_loc[s + 1] - query_start_loc[s] + tile - 1) / tile;
+        if (SERVED(s)) num_tiles += (query_start_loc[s + 1] - query_start_loc[s] + tile - 1) / tile;
     int32_t *tiles = malloc(sizeof(int32_t) * 2 * (num_tiles > 0 ? num_tiles : 1));
     if (!tiles) return -1;
     int64_t k = 0;
     for (int s = 0; s < num_seqs; s++)
-        for (int t = query_start_loc[s]; t < query_start_loc[s + 1]; t += tile) {
+        for (int t = query_start_loc[s]; SERVED(s) && t < query_start_loc[s + 1]; t += tile) {
             tiles[2 * k] = s;
             tiles[2 * k + 1] = t;
             k++;
@@ -286,7 +290,7 @@ def _library():
     fn.argtypes = [
         _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR,
         ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-        ctypes.c_float, ctypes.c_int,
+        ctypes.c_float, ctypes.c_int, ctypes.c_int,
     ]
     return lib
 
@@ -343,10 +347,13 @@ def paged_attention(
     seq_lens: torch.Tensor,  # [num_seqs] int, on the host
     scale: float,
     out: torch.Tensor | None = None,
+    max_query_len: int | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal paged attention of every sequence's new tokens (decodes are
     sequences with one), read straight from the cache. Check ``supports``
-    first. The new tokens' keys and values must already be in the cache."""
+    first. The new tokens' keys and values must already be in the cache.
+    Sequences with more than ``max_query_len`` new tokens are skipped: their
+    rows of ``out`` are left as they were."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     if v_cache.stride() != k_cache.stride():
@@ -367,9 +374,47 @@ def paged_attention(
         k_cache.data_ptr(), v_cache.data_ptr(), *k_cache.stride()[:3],
         tables.data_ptr(), tables.stride(0), qsl.data_ptr(), lens.data_ptr(),
         num_seqs, num_tokens, num_heads, num_kv_heads, head_dim, block_size, scale,
-        _DTYPES[query.dtype],
+        _DTYPES[query.dtype], num_tokens if max_query_len is None else max_query_len,
     )
     if rc != 0:
         raise ValueError(f"unsupported attention shape: {num_heads} heads, {num_kv_heads} kv "
                          f"heads, head_dim {head_dim}")
     return out
+
+
+def prefill_sdpa(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int, on the host
+    seq_lens: torch.Tensor,  # [num_seqs] int, on the host
+    scale: float,
+    out: torch.Tensor,
+    min_query_len: int,
+) -> None:
+    """Attention of the sequences with at least ``min_query_len`` new tokens,
+    written to their rows of ``out``: each one's blocks gathered in the
+    cache's dtype and one SDPA call (its CPU flash kernel runs the score and
+    value products as matrix multiplies, which beats the kernel above once a
+    tile holds more than a few tokens). Query ``j`` sees keys up to its own
+    position, as in ``reference.paged_prefill_attention``."""
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for i, seq_len in enumerate(lens):
+        start, end = starts[i], starts[i + 1]
+        q_len = end - start
+        if q_len < min_query_len:
+            continue
+        # [1, heads, tokens, dim]
+        q = query[start:end].transpose(0, 1)[None]
+        k = reference.gather_kv(k_cache, block_tables[i], seq_len).transpose(0, 1)[None]
+        v = reference.gather_kv(v_cache, block_tables[i], seq_len).transpose(0, 1)[None]
+        if q_len == seq_len:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                               enable_gqa=True)
+        else:  # new tokens after cached ones: the causal diagonal is offset
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+            mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                               enable_gqa=True)
+        out[start:end] = o[0].transpose(0, 1)

@@ -1,8 +1,9 @@
 """Attention with torch ops on any device, and a C kernel for CPU tensors.
 
-On the CPU, when the kernel in cpu_attention.py builds here, every sequence
-(decodes and prefills in one call) is served by it, reading the paged cache
-in place; otherwise, and on other devices, by kernels.reference.
+On the CPU, when the kernel in cpu_attention.py builds here, decodes and
+short prefill chunks are served by it in one call, reading the paged cache in
+place, and longer prefill chunks by SDPA over their gathered blocks in the
+cache's dtype; otherwise, and on other devices, everything by kernels.reference.
 """
 
 from __future__ import annotations
@@ -12,6 +13,11 @@ import torch
 from engine.attention import cpu_attention
 from engine.attention.backend import AttentionBackend, AttentionMetadata
 from kernels import reference
+
+# NOTE: from this many new tokens a sequence's attention is faster as SDPA
+# over its gathered blocks (matrix multiplies) than in the C kernel; below
+# it, gathering costs more than it saves (measured on SmolLM2's heads).
+SDPA_FROM = 32
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -24,10 +30,12 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, query, key, value, k_cache, v_cache, meta: AttentionMetadata, scale):
         if self.native and cpu_attention.supports(query, k_cache) and k_cache.is_contiguous():
             cpu_attention.store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
-            return cpu_attention.paged_attention(
-                query, k_cache, v_cache, meta.block_tables, meta.query_start_loc_cpu,
-                meta.seq_lens_cpu, scale,
-            )
+            args = (query, k_cache, v_cache, meta.block_tables, meta.query_start_loc_cpu,
+                    meta.seq_lens_cpu, scale)
+            out = cpu_attention.paged_attention(*args, max_query_len=SDPA_FROM - 1)
+            if meta.max_query_len >= SDPA_FROM:
+                cpu_attention.prefill_sdpa(*args, out=out, min_query_len=SDPA_FROM)
+            return out
         reference.store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
         nd = meta.num_decode_seqs
         if nd == meta.num_seqs:

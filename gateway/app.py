@@ -10,6 +10,7 @@ import signal
 
 import uvicorn
 
+from gateway.auth import ApiKeyInterceptor
 from gateway.config import GatewayConfig
 from gateway.grpc_api import GenerationServicer
 from gateway.openai_api import build_app
@@ -24,7 +25,7 @@ async def run_gateway(config: GatewayConfig, host: str, port: int, grpc_port: in
     service = GatewayService(config)
     await service.start()
 
-    grpc_server = GrpcServer(host, grpc_port)
+    grpc_server = GrpcServer(host, grpc_port, interceptors=[ApiKeyInterceptor(service.keys)])
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(service),
                                                          grpc_server.server)
     grpc_server.add_service(generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name)

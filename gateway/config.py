@@ -37,7 +37,11 @@ class GatewayConfig:
     decode: tuple[str, ...] = _opt((), "decode (or 'both') worker address")
     state_url: str | None = _opt(None, "Redis URL for request state and worker registration "
                                        "(default $REDIS_URL; none: in-process)", env="REDIS_URL")
-    api_key: str | None = _opt(None, env="TANDEM_API_KEY")
+    api_key: str | None = _opt(None, "API key callers must send (Authorization: Bearer); "
+                                     "several separated by commas", env="TANDEM_API_KEY")
+    api_key_file: str | None = _opt(None, "file of API keys, one a line, read again when it "
+                                          "changes (rotation without a restart)",
+                                    env="TANDEM_API_KEY_FILE")
     transport: str = _opt("grpc", choices=TRANSPORTS)
     max_model_len: int | None = _opt(None)
     max_active_requests: int = _opt(256)

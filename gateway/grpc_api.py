@@ -19,6 +19,8 @@ from rpc.protos import common_pb2, generation_pb2, generation_pb2_grpc
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, service: GatewayService) -> None:
         self.service = service
+        # Running Generate calls: request id -> digest of the key that made it.
+        self._owners: dict[str, str] = {}
 
     async def Generate(self, request: generation_pb2.GenerateRequest, context):
         service = self.service
@@ -37,6 +39,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 params, max_tokens=min(16, service.default_max_tokens(prompt)))
         service.check_request(prompt, params)
         request_id = request.request_id or f"grpc-{uuid.uuid4().hex}"
+        if request_id in self._owners:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self._owners[request_id] = self._caller(context)
+        try:
+            async for reply in self._generate(prompt, params, request_id):
+                yield reply
+        finally:
+            del self._owners[request_id]
+
+    async def _generate(self, prompt, params, request_id: str):
+        service = self.service
         completion_tokens = 0
         cached = 0
         remaining = params.n
@@ -61,5 +74,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             yield reply
 
     async def Abort(self, request: generation_pb2.GenerateAbortRequest, context):
+        # Only the key that started a request may abort it; to any other
+        # caller it does not exist.
+        if self._owners.get(request.request_id) != self._caller(context):
+            return generation_pb2.GenerateAbortResponse(found=False)
         found = await self.service.orchestrator.abort(request.request_id)
         return generation_pb2.GenerateAbortResponse(found=found)
+
+    def _caller(self, context) -> str:
+        """The digest of the caller's key (the interceptor let only valid ones in)."""
+        metadata = dict(context.invocation_metadata() or ())
+        return self.service.keys.check(metadata.get("authorization")) or ""

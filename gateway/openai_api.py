@@ -7,7 +7,6 @@ after a stream has begun is sent as an error event, then ``[DONE]``.
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import uuid
@@ -103,12 +102,9 @@ def build_app(service: GatewayService) -> FastAPI:
 
     @app.middleware("http")
     async def _auth_and_body(request: Request, call_next):
-        key = service.config.api_key
-        if key and request.url.path.startswith("/v1/"):
-            header = request.headers.get("authorization", "")
-            given = header[7:] if header.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(given.encode(), key.encode()):
-                return error_response(Unauthorized("Incorrect or missing API key"))
+        if request.url.path.startswith(_KEYED_PATHS) and \
+                service.keys.check(request.headers.get("authorization")) is None:
+            return error_response(Unauthorized("Incorrect or missing API key"))
         if request.method == "POST":
             limit = service.config.max_body_bytes
             declared = request.headers.get("content-length", "")
@@ -125,9 +121,12 @@ def build_app(service: GatewayService) -> FastAPI:
         return await call_next(request)
 
     @app.get("/health")
-    async def health():
+    async def health(request: Request):
         if service.draining:
             return JSONResponse({"status": "draining"}, 503)
+        # Liveness for anyone; where the workers are only for a key holder.
+        if service.keys.check(request.headers.get("authorization")) is None:
+            return {"status": "ok"}
         return {"status": "ok", "workers": service.pool.snapshot()}
 
     @app.get("/metrics")
@@ -201,6 +200,11 @@ def build_app(service: GatewayService) -> FastAPI:
         return await _answer(render, _merge(service, rid, [tokens], [params], span), body)
 
     return app
+
+
+# What a caller needs a key for (when keys are set): the API, the metrics,
+# and the schema; /health answers everyone, with details for a key holder.
+_KEYED_PATHS = ("/v1/", "/metrics", "/openapi.json", "/docs", "/redoc")
 
 
 def _too_large(limit: int) -> JSONResponse:

@@ -19,6 +19,7 @@ from engine.config import ModelConfig
 from engine.loader.resolve import model_fingerprint, resolve_model_dir
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
+from gateway.auth import ApiKeys
 from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
 from gateway.orchestrator import Orchestrator
@@ -60,6 +61,7 @@ class GatewayService:
         self.draining = False
         self.created = int(time.time())
         self._cpu = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
+        self.keys = ApiKeys(config.api_key, config.api_key_file)
 
     async def start(self) -> None:
         await self.pool.start()

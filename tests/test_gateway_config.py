@@ -13,6 +13,7 @@ from gateway.config import GatewayConfig, cli_fields, flag_of, from_args
 # Flags scripts and compose files already pass: renaming one breaks them.
 KNOWN_FLAGS = {
     "--model", "--served-model-name", "--prefill", "--decode", "--state-url", "--api-key",
+    "--api-key-file",
     "--transport", "--max-model-len", "--max-active-requests", "--lease-ms",
     "--max-attempts", "--finished-ttl", "--grace",
     # Request limits.

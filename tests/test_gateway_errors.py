@@ -32,6 +32,7 @@ SMALL_BLOCKS = 24
 PROMPT = "the quick brown fox"
 MESSAGES = [{"role": "user", "content": "hello"}]
 API_KEY = "s3cret-key"
+OTHER_KEY = "another-tenants-key"
 
 
 cluster, workers, gateway, no_leaks = module_cluster(NUM_BLOCKS)
@@ -203,7 +204,7 @@ def test_unknown_route_is_404(http):
 
 @pytest.fixture(scope="module")
 def keyed_gateway(cluster, workers):
-    return start_gateway(cluster, workers, "--api-key", API_KEY)
+    return start_gateway(cluster, workers, "--api-key", f"{API_KEY},{OTHER_KEY}")
 
 
 def test_api_key(keyed_gateway):
@@ -217,14 +218,79 @@ def test_api_key(keyed_gateway):
         ok = http.post("/v1/completions", json=body,
                        headers={"Authorization": f"Bearer {API_KEY}"})
         assert ok.status_code == 200, ok.text
-        # Health and metrics stay open for probes and scrapers.
-        assert http.get("/health").status_code == 200
-        assert http.get("/metrics").status_code == 200
+        # Liveness stays open for probes; the details, metrics and schema need the key.
+        assert http.get("/health").json() == {"status": "ok"}
+        keyed = {"Authorization": f"Bearer {OTHER_KEY}"}
+        assert "workers" in http.get("/health", headers=keyed).json()
+        for path in ("/metrics", "/openapi.json"):
+            assert_error(http.get(path), 401)
+            assert http.get(path, headers=keyed).status_code == 200
     with keyed_gateway.client(api_key="wrong") as client, \
             pytest.raises(openai.AuthenticationError):
         client.models.list()
     with keyed_gateway.client(api_key=API_KEY) as client:
         assert client.models.list().data[0].id == SERVED
+
+
+def _generate(stub, key: str | None, request_id: str = "", max_tokens: int = 2):
+    metadata = [("authorization", f"Bearer {key}")] if key else []
+    request = generation_pb2.GenerateRequest(
+        model=SERVED, text=PROMPT, request_id=request_id,
+        params=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0))
+    return stub.Generate(request, metadata=metadata, timeout=60)
+
+
+def test_api_key_on_grpc(keyed_gateway):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    channel, stub = keyed_gateway.generation_stub()
+    with channel:
+        for key in (None, "wrong"):
+            with pytest.raises(grpc.RpcError) as err:
+                list(_generate(stub, key))
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Abort(generation_pb2.GenerateAbortRequest(request_id="x"), timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        replies = list(_generate(stub, API_KEY))
+        assert replies[-1].finish_reason == "length"
+        # Probes need no key.
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                           timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_only_the_key_that_started_a_request_aborts_it(keyed_gateway):
+    channel, stub = keyed_gateway.generation_stub()
+    with channel:
+        stream = _generate(stub, API_KEY, request_id="mine", max_tokens=200)
+        next(stream)  # running now
+
+        def abort(key):
+            return stub.Abort(generation_pb2.GenerateAbortRequest(request_id="mine"),
+                              metadata=[("authorization", f"Bearer {key}")], timeout=10).found
+
+        assert not abort(OTHER_KEY)  # another tenant: as if it did not exist
+        assert abort(API_KEY)
+        rest = list(stream)
+        assert rest[-1].finish_reason == "abort" and sum(len(r.token_ids) for r in rest) < 199
+
+
+def test_keys_rotate_from_a_file_without_a_restart(cluster, workers, tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("# rotated by hand\nfirst-key\n")
+    gateway = start_gateway(cluster, workers, "--api-key-file", str(keys))
+    try:
+        with gateway.http() as http:
+            def status(key):
+                return http.get("/v1/models", headers={"Authorization": f"Bearer {key}"}
+                                ).status_code
+
+            assert (status("first-key"), status("second-key")) == (200, 401)
+            keys.write_text("second-key\n")
+            assert (status("first-key"), status("second-key")) == (401, 200)
+    finally:
+        gateway.proc.terminate()
 
 
 # ---- 429 ---------------------------------------------------------------------------------

@@ -158,7 +158,10 @@ class DecodeWorker(WorkerBase):
                 chunk = to_chunk(out, comp)
                 if first:
                     chunk.prompt_logprobs.extend(prompt_logprobs_to_proto(out))
-                    first = False
+                if not (chunk.token_ids or chunk.text or chunk.finish_reason
+                        or chunk.prompt_logprobs):
+                    continue  # the start of a request whose first token was sent already
+                first = False
                 if comp.finished:
                     self.metrics.observe_finished(len(out.prompt_token_ids),
                                                   len(comp.token_ids), comp.finish_reason or "",
@@ -188,10 +191,11 @@ class DecodeWorker(WorkerBase):
         first = req.first_token_id
         first_lp = logprobs_from_proto(req.first_logprobs) if req.HasField("first_logprobs") \
             else None
+        sent = req.first_token_sent  # the gateway sent it from the prefill's reply
 
         def add(engine: LLMEngine) -> list[RequestOutput]:
             try:
-                return engine.start_remote(request_id, first, first_lp)
+                return engine.start_remote(request_id, first, first_lp, first_token_sent=sent)
             except KeyError:
                 raise NotFound(f"request {request_id!r} is no longer reserved") from None
 

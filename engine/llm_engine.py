@@ -134,12 +134,19 @@ class LLMEngine:
         return request_id in self.scheduler.remote
 
     def start_remote(self, request_id: str, first_token: int,
-                     first_logprobs: dict[int, float] | None = None) -> list[RequestOutput]:
+                     first_logprobs: dict[int, float] | None = None, *,
+                     first_token_sent: bool = False) -> list[RequestOutput]:
         """The reserved blocks of ``request_id`` hold its prompt's KV now, and
         the prefill side sampled ``first_token``: publish the blocks to the
         prefix cache and queue the request for decoding (or finish it, if
         that token ended it). Returns the output carrying the first token.
-        KeyError if the request holds no reservation."""
+        KeyError if the request holds no reservation.
+
+        ``first_token_sent``: the caller already sent ``first_token`` (and
+        its text) to the client: it is not output again, as for a migrated
+        request's ``output_token_ids``. The returned output then carries no
+        new token, and text the token left held back comes out, once, with
+        a later one."""
         request = self.scheduler.remote.get(request_id)
         if request is None:
             raise KeyError(request_id)
@@ -147,6 +154,8 @@ class LLMEngine:
             request.logprobs.append(first_logprobs)
         request.first_token_time = time.monotonic()
         self.scheduler.start_remote(request_id, first_token)
+        if first_token_sent:
+            self.outputs.skip_sent(request_id, 1)
         return self._process([request])
 
     def kv_progress(self, request_id: str) -> KVProgress | None:

@@ -2,9 +2,12 @@
 before it), with a span around every call.
 
     reserve on a decode worker ──> prefill worker pushes KV, returns token 1
+                                   (sent to the client at once)
             └──────────── decode worker streams tokens 2.. ────────────┘
 
-A colocated cluster, or a migration (tokens already sent), skips the first
+When token 1 already ends the request (EOS, a stop token or string,
+max_tokens 1) there is no Decode call: the reservation is aborted. A
+colocated cluster, or a migration (tokens already sent), skips the first
 line: the decode worker runs the whole request.
 
 A failed call to a worker leaves here as one of two things, decided in
@@ -92,16 +95,27 @@ class Attempts:
                 request_id=seq.request_id, prompt_token_ids=seq.prompt,
                 output_token_ids=seq.sent, params=params, attempt=seq.attempt,
             )
+            await self.records.state(seq, State.DECODING, decode=decode)
         else:
             decode, ticket = await self._reserve(seq, candidates, params)
             first = await self._prefill(seq, ticket, params, tried)
+            chunk = _first_chunk(seq, first)
+            if chunk.finish_reason:
+                # The first token ended the request: no Decode call; the
+                # reservation (the KV just pushed there) is released.
+                seq.sent.extend(chunk.token_ids)
+                yield chunk
+                await self.abort_everywhere(seq)
+                return
+            await self.records.state(seq, State.DECODING, decode=decode)
+            # The client has the first token now, not after a Decode round trip.
+            seq.sent.extend(chunk.token_ids)
+            yield chunk
             request = worker_pb2.DecodeRequest(
                 request_id=seq.request_id, first_token_id=first.first_token_id,
                 first_logprobs=first.first_logprobs if first.HasField("first_logprobs")
-                else None, params=params, attempt=seq.attempt,
+                else None, params=params, attempt=seq.attempt, first_token_sent=True,
             )
-            seq.prompt_logprobs = list(first.prompt_logprobs)
-        await self.records.state(seq, State.DECODING, decode=decode)
         async for chunk in self._decode(seq, decode, request, tried):
             yield chunk
 
@@ -191,10 +205,10 @@ class Attempts:
         decode.inflight += 1
         span = _tracer.start_span("gateway.decode", context=seq.trace_ctx,
                                   attributes={"worker": decode.address,
-                                              "migrated": bool(seq.sent)})
+                                              "migrated": bool(request.output_token_ids)})
         error: BaseException | None = None
         try:
-            first_chunk, finished = True, False
+            finished = False
             with current(span):
                 stream = self.pool.stub(decode.address).Decode(request)
             async for c in stream:
@@ -203,11 +217,10 @@ class Attempts:
                     logprobs=list(c.logprobs), finish_reason=c.finish_reason or None,
                     stop_reason=c.stop_reason, prompt_tokens=c.usage.prompt_tokens,
                     cached_tokens=c.usage.cached_tokens,
-                    prompt_logprobs=list(c.prompt_logprobs),
+                    # On the completion's first chunk only (a migrated request's
+                    # worker computes them again).
+                    prompt_logprobs=[] if seq.sent else list(c.prompt_logprobs),
                 )
-                if first_chunk and not chunk.prompt_logprobs:
-                    chunk.prompt_logprobs = seq.prompt_logprobs
-                first_chunk = False
                 seq.sent.extend(chunk.token_ids)
                 yield chunk
                 if chunk.finish_reason:
@@ -239,3 +252,16 @@ class Attempts:
                                     timeout=5.0)
             for a in holders
         ), return_exceptions=True)
+
+
+def _first_chunk(seq: Sequence, first: worker_pb2.PrefillResponse) -> Chunk:
+    """The completion's first chunk, from the prefill worker's reply: what
+    the decode worker's stream would have started with."""
+    return Chunk(
+        index=seq.index, token_ids=[first.first_token_id], text=first.text,
+        logprobs=[first.first_logprobs] if first.HasField("first_logprobs") else [],
+        finish_reason=first.finish_reason or None, stop_reason=first.stop_reason,
+        # NOTE: as the decode worker reports a prompt it did not compute.
+        prompt_tokens=len(seq.prompt), cached_tokens=0,
+        prompt_logprobs=list(first.prompt_logprobs),
+    )

@@ -40,7 +40,6 @@ class Sequence:
     sent: list[int] = field(default_factory=list)
     holders: set[str] = field(default_factory=set)  # worker addresses holding it now
     attempt: int = 0
-    prompt_logprobs: list = field(default_factory=list)  # from the prefill worker
     record_id: str = ""  # the request's state record: its id without the -{index}
     trace_ctx: otel_context.Context | None = None  # parent of this sequence's spans
     aborted: bool = False  # by an Abort call: no retry, no migration

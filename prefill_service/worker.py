@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import time
 
+from engine.detokenizer import IncrementalDetokenizer
 from engine.llm_engine import LLMEngine
 from kv_transfer.base import KVSender
 from kv_transfer.grpc_transport import GrpcSender
@@ -78,8 +79,11 @@ class PrefillWorker(WorkerBase):
             raise ValueError(f"the ticket has {len(ticket.block_ids)} blocks, the prompt "
                              f"needs {needed}")
         # Sample only the first token here; the decode worker does the rest.
+        # The request's own stop strings, stop tokens and EOS handling stay:
+        # they say whether that token already ends the request, exactly as
+        # the decode worker would have found.
         first_params = dataclasses.replace(
-            params, max_tokens=1, min_tokens=min(params.min_tokens, 1), stop=[],
+            params, max_tokens=1, min_tokens=min(params.min_tokens, 1),
         )
         request_id = req.request_id
         if request_id in self.inflight:
@@ -104,10 +108,11 @@ class PrefillWorker(WorkerBase):
                 send_span, transfer = self._start_send(
                     sender, ticket, sender.send_progressive(request_id, ticket, progress))
                 self.transfers[request_id] = transfer
-            final = None
+            final, text = None, ""
             with _tracer.start_as_current_span("prefill.compute") as span:
                 async for out in self.aengine.stream(request_id, add):
                     final = out
+                    text += out.outputs[0].delta_text
             if final is None or final.outputs[0].finish_reason == "abort":
                 raise Fenced(f"request {request_id!r} was aborted during prefill")
             span.set_attributes({"prompt_tokens": len(tokens),
@@ -155,6 +160,15 @@ class PrefillWorker(WorkerBase):
             first_token_id=first_token, num_cached_tokens=final.num_cached_tokens,
             kv_bytes=stats.bytes, transfer_seconds=stats.seconds,
         )
+        if comp.finish_reason == "stop" or params.max_tokens == 1:
+            # The first token ends the request (EOS, a stop token or string,
+            # max_tokens): the engine's last output is the whole completion.
+            resp.text, resp.finish_reason = text, comp.finish_reason
+            resp.stop_reason = "" if comp.stop_reason is None else str(comp.stop_reason)
+        else:
+            # Only the max_tokens=1 of this prefill ended it: the engine's
+            # final output flushed what a stream that goes on holds back.
+            resp.text = self._streamed_text(tokens, params, first_token)
         if comp.logprobs:
             resp.first_logprobs.CopyFrom(logprobs_to_proto(first_token, comp.logprobs[0]))
         if final.prompt_logprobs is not None:
@@ -163,6 +177,19 @@ class PrefillWorker(WorkerBase):
                 for t, lp in zip(final.prompt_token_ids[1:], final.prompt_logprobs[1:])
             )
         return resp
+
+    def _streamed_text(self, prompt: list[int], params, token: int) -> str:
+        """The text of the first output token ``token`` as the decode
+        worker's stream would send it, were the token its own: short of a
+        partial character or a possible stop-string prefix, which the decode
+        worker sends with the tokens that complete them."""
+        if self.engine.tokenizer is None:
+            return ""
+        detok = IncrementalDetokenizer(self.engine.tokenizer, prompt, params.stop,
+                                       params.include_stop_str_in_output,
+                                       params.skip_special_tokens)
+        detok.add(token)
+        return detok.take(final=False)
 
     def _start_send(self, sender: KVSender, ticket: worker_pb2.Ticket, coro):
         """The transfer task, under a span of its own: the task copies the

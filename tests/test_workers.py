@@ -131,6 +131,41 @@ async def test_disaggregated_matches_colocated_and_offline(workers, offline, gw,
     await gw.wait_idle(workers.all)
 
 
+async def test_first_token_from_the_prefill_is_not_streamed_again(workers, offline, gw):
+    """The gateway's path: the prefill's reply is the completion's first
+    chunk (with its finish reason when that token ends the request, then the
+    reservation is aborted); Decode with ``first_token_sent`` streams from
+    token 2 on."""
+    prompts = random_prompts([9, 30, 70, 12], seed=11)
+    sps = [SamplingParams(temperature=0, max_tokens=10, logprobs=2),
+           SamplingParams(temperature=0.8, seed=5, max_tokens=6),
+           SamplingParams(temperature=0, max_tokens=1),
+           SamplingParams(temperature=0, max_tokens=8)]
+    greedy_first = offline.generate([prompts[3]], SamplingParams(temperature=0, max_tokens=1),
+                                    use_tqdm=False)[0].outputs[0].token_ids[0]
+    sps[3].stop_token_ids = [greedy_first]
+    reference = offline.generate(prompts, sps, use_tqdm=False)
+    for i, (prompt, sp, ref) in enumerate(zip(prompts, sps, reference)):
+        want = ref.outputs[0]
+        rid, p, decode = f"sent-{i}", params(**vars(sp)), workers.decodes[i % 2]
+        ticket = await gw.reserve(decode, rid, prompt, p)
+        first = await gw.prefill(workers.prefill, rid, prompt, p, ticket)
+        assert first.first_token_id == want.token_ids[0]
+        assert first.HasField("first_logprobs") == (sp.logprobs is not None)
+        if len(want.token_ids) == 1:
+            assert (first.finish_reason, first.stop_reason) == (
+                want.finish_reason, "" if want.stop_reason is None else str(want.stop_reason))
+            assert await gw.abort(decode, rid)  # what the gateway does instead of Decode
+            continue
+        assert first.finish_reason == ""
+        rest = await gw.decode(decode, rid, p, first=first, first_token_sent=True)
+        assert [first.first_token_id, *rest.token_ids] == want.token_ids
+        assert rest.finish_reason == want.finish_reason
+        assert rest.chunks == len(rest.token_ids)  # one a step; none for the skipped token
+    assert [len(r.outputs[0].token_ids) for r in reference] == [10, 6, 1, 1]
+    await gw.wait_idle(workers.all)
+
+
 async def test_preflight_measures_each_peer_once(workers, gw):
     prompt = unique_prompt(40)
     sp = params(temperature=0, max_tokens=2)

@@ -112,16 +112,21 @@ class Gateway:
     async def decode(self, w: Worker, request_id: str, p: common_pb2.SamplingParams,
                      first: worker_pb2.PrefillResponse | None = None,
                      prompt: list[int] | None = None, attempt: int = 0,
-                     migrated: list[int] | None = None) -> Completion:
-        """``migrated``: tokens already sent (a migration recomputes them)."""
+                     migrated: list[int] | None = None,
+                     first_token_sent: bool = False) -> Completion:
+        """``migrated``: tokens already sent (a migration recomputes them).
+        ``first_token_sent``: as the gateway does, the stream leaves out
+        ``first``'s token (the caller has it from the PrefillResponse);
+        otherwise the decode worker streams it too."""
         req = worker_pb2.DecodeRequest(request_id=request_id, params=p, attempt=attempt,
                                        prompt_token_ids=prompt or [],
-                                       output_token_ids=migrated or [])
+                                       output_token_ids=migrated or [],
+                                       first_token_sent=first_token_sent)
         out = Completion()
         if first is not None:
-            # NOTE: the decode worker streams the prefill's first token too
-            # (its detokenizer and stop checks see every token).
             req.first_token_id = first.first_token_id
+            if first.HasField("first_logprobs"):
+                req.first_logprobs.CopyFrom(first.first_logprobs)
         async for chunk in self.stub(w).Decode(req, timeout=60):
             out.token_ids.extend(chunk.token_ids)
             out.finish_reason = chunk.finish_reason or out.finish_reason

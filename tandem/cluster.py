@@ -63,6 +63,27 @@ class Proc:
         return "\n".join(self.lines)
 
 
+def _die_with(parent: int):
+    """A preexec hook: the child gets SIGTERM (and drains) when this process
+    dies, however it dies (SIGKILL included), so no worker outlives its
+    launcher holding its port. Linux only; elsewhere a no-op.
+
+    NOTE: the kernel sends the signal when the *thread* that started the
+    child exits; clusters are started from the thread that owns them."""
+    def hook() -> None:
+        if not sys.platform.startswith("linux"):
+            return
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:  # the launcher died before the prctl took hold
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return hook
+
+
 class LocalCluster:
     def __init__(self, log_dir: Path | None = None, env: dict[str, str] | None = None,
                  echo: bool = False) -> None:
@@ -82,7 +103,7 @@ class LocalCluster:
             cmd += ["--role", role]
         popen = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env,
-            cwd=str(ROOT), start_new_session=True,
+            cwd=str(ROOT), start_new_session=True, preexec_fn=_die_with(os.getpid()),
         )
         proc = Proc(role, popen)
         self.procs.append(proc)

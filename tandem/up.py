@@ -81,7 +81,9 @@ def run(args: argparse.Namespace) -> int:
     if args.decode < 1 or args.prefill < 0:
         raise ValueError("need at least one decode worker and no negative counts")
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    # A closed terminal (SIGHUP) stops the cluster as Ctrl-C and SIGTERM do.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda *_: stop.set())
     with LocalCluster(echo=False) as cluster:
         print(f"starting {args.prefill} prefill + {args.decode} decode worker(s)...",
               flush=True)

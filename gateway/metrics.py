@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 
 from rpc.metrics import RequestMetrics
 
@@ -13,3 +13,7 @@ class GatewayMetrics(RequestMetrics):
         self.rejected = Counter("tandem:requests_rejected",
                                 "Requests refused because the server was full",
                                 registry=self.registry)
+        self.state_store_up = Gauge("tandem:state_store_up",
+                                    "1 while the request state store (Redis) answers; 0 while "
+                                    "records are held in the gateway's memory",
+                                    registry=self.registry)

@@ -5,7 +5,8 @@ attempts. With ``n > 1`` each sequence ``{id}-{i}`` has a record of its own,
 fenced on its own attempts (one completion's retry must not silence the
 others' writes); the request's record follows the latest change of any of
 them unfenced (attempt 0) and ends with the request's outcome and the total
-of tokens sent. The store drops a write older than the stored attempt.
+of tokens sent. The store drops a write older than the stored attempt. The sampling
+parameters are stored once, on the request's record.
 """
 
 from __future__ import annotations
@@ -34,10 +35,10 @@ class RequestRecords:
         record = {"prompt_tokens": len(prompt), "params": json.dumps(dataclasses.asdict(params)),
                   "tokens_sent": 0, "n": params.n}
         await self.store.create(request_id, record)
-        if len(seqs) > 1:
+        if len(seqs) > 1:  # the parameters are the request's, stored once, there
             await asyncio.gather(*(
-                self.store.create(s.request_id, {**record, "n": 1, "index": s.index,
-                                                 "parent": request_id})
+                self.store.create(s.request_id, {"prompt_tokens": len(prompt), "tokens_sent": 0,
+                                                 "n": 1, "index": s.index, "parent": request_id})
                 for s in seqs
             ))
 

@@ -79,7 +79,8 @@ class WorkerPool:
         if self.registry_url:
             import redis.asyncio as redis
 
-            self._redis = redis.from_url(self.registry_url, decode_responses=True)
+            self._redis = redis.from_url(self.registry_url, decode_responses=True,
+                                         socket_timeout=1.0, socket_connect_timeout=1.0)
         await self.refresh()
         self._task = asyncio.ensure_future(self._loop())
 
@@ -104,7 +105,11 @@ class WorkerPool:
 
     async def refresh(self) -> None:
         if self._redis is not None:
-            await self._discover()
+            try:
+                await self._discover()
+            except Exception as exc:  # the registry is down: keep the workers known so far
+                logger.warning("worker registry unreachable (%s): keeping %d known workers",
+                               exc, len(self.workers))
         await asyncio.gather(*(self._poll(w) for w in list(self.workers.values())))
         self.changed.set()
 

@@ -21,6 +21,7 @@ from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from gateway.auth import ApiKeys
 from gateway.config import GatewayConfig
+from gateway.fallback_store import FallbackStore
 from gateway.metrics import GatewayMetrics
 from gateway.orchestrator import Orchestrator
 from gateway.router import WorkerPool
@@ -53,10 +54,14 @@ class GatewayService:
         self.pool = WorkerPool(self.channels, model_fingerprint(model_dir),
                                static=[*config.prefill, *config.decode],
                                registry_url=config.state_url)
+        self.metrics = GatewayMetrics()
         self.store = make_store(config.state_url, config.finished_ttl_s)
+        if config.state_url:  # Redis: generation goes on without it (fallback_store.py)
+            self.store = FallbackStore(self.store, config.finished_ttl_s,
+                                       on_change=self.metrics.state_store_up.set)
+        self.metrics.state_store_up.set(1)
         self.orchestrator = Orchestrator(self.pool, self.store, config.transport,
                                          config.lease_ms, config.max_attempts)
-        self.metrics = GatewayMetrics()
         self.active = 0
         self.draining = False
         self.created = int(time.time())

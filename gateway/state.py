@@ -125,7 +125,9 @@ class RedisStore(StateStore):
         import redis.asyncio as redis
 
         super().__init__(finished_ttl_s)
-        self.redis = redis.from_url(url, decode_responses=True)
+        # Short timeouts: a store that does not answer is down (fallback_store.py).
+        self.redis = redis.from_url(url, decode_responses=True, socket_timeout=1.0,
+                                    socket_connect_timeout=1.0)
         self._update = self.redis.register_script(_FENCED_UPDATE)
 
     async def create(self, request_id, fields):

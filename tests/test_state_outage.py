@@ -1,0 +1,148 @@
+"""A Redis outage does not stop generation: the gateway records in memory,
+answers every request meanwhile, and writes the records once Redis is back.
+Runs its own redis-server (the suite's shared one must stay up)."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+
+import pytest
+import redis
+from gateway_fixtures import SERVED, cluster_fixture, start_gateway, start_workers
+
+from gateway.fallback_store import FallbackStore
+from gateway.state import KEY, MemoryStore, RedisStore, State
+from tandem.cluster import free_port
+
+pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None,
+                                reason="needs Debian's redis-server (make test installs it)")
+
+cluster = cluster_fixture()
+
+
+class RedisProcess:
+    """A throwaway redis-server on a fixed port, to stop and start again."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.dir = tempfile.mkdtemp()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", self.dir], stdout=subprocess.DEVNULL)
+        client = redis.Redis(port=self.port)
+        for _ in range(100):
+            try:
+                client.ping()
+                return
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        raise RuntimeError("redis-server did not start")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
+@pytest.fixture
+def redis_process():
+    r = RedisProcess()
+    r.start()
+    yield r
+    r.stop()
+    shutil.rmtree(r.dir, ignore_errors=True)
+
+
+def test_requests_go_on_while_redis_is_down_and_are_recorded_after(cluster, redis_process):
+    workers = start_workers(cluster, ["prefill", "decode"], 64)
+    gateway = start_gateway(cluster, workers, "--state-url", redis_process.url)
+    client_redis = redis.Redis(port=redis_process.port, decode_responses=True)
+    try:
+        with gateway.client() as client:
+            def complete() -> tuple[str, float]:
+                start = time.monotonic()
+                out = client.completions.create(model=SERVED, prompt="the quick brown fox",
+                                                max_tokens=3, temperature=0)
+                assert out.choices[0].finish_reason == "length"
+                return out.id, time.monotonic() - start
+
+            before, _ = complete()
+            assert client_redis.hget(KEY + before, "state") == "FINISHED"
+
+            redis_process.stop()
+            during = [complete() for _ in range(4)]
+            # The breaker: after the first failure nobody waits for a Redis timeout.
+            assert all(seconds < 10 for _, seconds in during[1:]), during
+            with gateway.http() as http:
+                metrics = http.get("/metrics").text
+            assert "tandem:state_store_up 0.0" in metrics
+
+            redis_process.start()  # empty: nothing of the outage is there yet
+            deadline = time.monotonic() + 30
+            ids = [rid for rid, _ in during]
+            while time.monotonic() < deadline:
+                complete()  # a call after the cooldown finds Redis and starts the replay
+                states = [client_redis.hget(KEY + rid, "state") for rid in ids]
+                if states == ["FINISHED"] * len(ids):
+                    break
+                time.sleep(1)
+            assert [client_redis.hget(KEY + rid, "state") for rid in ids] == \
+                ["FINISHED"] * len(ids)
+            with gateway.http() as http:
+                assert "tandem:state_store_up 1.0" in http.get("/metrics").text
+    finally:
+        gateway.proc.terminate()
+        for w in workers:
+            w.proc.terminate()
+
+
+def test_replayed_updates_keep_their_fencing(redis_process):
+    async def run() -> None:
+        store = FallbackStore(RedisStore(redis_process.url), timeout_s=0.3, cooldown_s=0.0)
+        await store.create("r", {"tokens_sent": 0})
+        redis_process.proc.send_signal(signal.SIGSTOP)  # frozen: every call times out
+        try:
+            await store.update("r", 2, {"state": State.DECODING})
+            await store.update("r", 1, {"state": State.FAILED})  # a stale attempt
+            assert not store.available and (await store.get("r"))["state"] == "DECODING"
+            await store.create("new", {"tokens_sent": 0})
+        finally:
+            redis_process.proc.send_signal(signal.SIGCONT)
+        await store.get("other")  # the first answer closes the breaker and replays
+        await store._replaying
+        assert store.pending == {} and store.available
+        raw = redis.Redis(port=redis_process.port, decode_responses=True)
+        # Replayed in order through the fenced script: the stale attempt is dropped.
+        assert raw.hget(KEY + "r", "state") == "DECODING"
+        assert raw.hget(KEY + "r", "attempt") == "2"
+        assert raw.hget(KEY + "new", "state") == "QUEUED"
+        await store.close()
+
+    asyncio.run(run())
+
+
+def test_pending_records_are_bounded():
+    async def run() -> None:
+        class Down(MemoryStore):
+            async def create(self, *a):
+                raise ConnectionError("down")
+
+        store = FallbackStore(Down(), max_pending=2)
+        for i in range(5):
+            await store.create(f"r{i}", {})
+        assert len(store.pending) == 2 and store.unrecorded == 3
+
+    asyncio.run(run())

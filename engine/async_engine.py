@@ -26,7 +26,11 @@ logger = logging.getLogger("engine")
 T = TypeVar("T")
 
 
-class AsyncEngine:
+class AsyncEngineLoop:
+    """Runs an LLMEngine on a thread of its own, stepping while there is
+    work, and hands its outputs to asyncio streams. Workers hold one; the
+    public ``tandem.AsyncEngine`` is one built from vLLM-style arguments."""
+
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self._ops: list[tuple[Callable[[LLMEngine], Any], asyncio.Future, bool]] = []

@@ -1,7 +1,7 @@
 """The synchronous engine: add requests, call ``step`` until done.
 
 One step = schedule, run the model on the flattened batch, sample, update
-progress, detokenize. The offline ``LLM``, the ``AsyncEngine`` and both
+progress, detokenize. The offline ``LLM``, the ``AsyncEngineLoop`` and both
 workers drive this class, through its public methods only: they never touch
 the scheduler, the KV cache manager or the runner.
 
@@ -58,7 +58,7 @@ class LLMEngine:
         self.kv = KVCacheManager(self.runner.num_blocks, cache.block_size,
                                  cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
-        self.outputs = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
         logger.info(
             "dtype %s; KV cache: %d blocks = %d tokens (block_size %d, %.1f MiB); "
             "max_model_len %d", config.dtype,
@@ -104,9 +104,9 @@ class LLMEngine:
         first = sequences[0]
         first.hold_blocks = hold_blocks
         first.token_ids.extend(output_token_ids)
-        self.outputs.add(request_id, text if text is not None else prompt_text, sequences)
+        self.output_processor.add(request_id, text if text is not None else prompt_text, sequences)
         if output_token_ids:
-            self.outputs.skip_sent(request_id, len(output_token_ids))
+            self.output_processor.skip_sent(request_id, len(output_token_ids))
         self.scheduler.add_request(first)
 
     def reserve_remote(self, request_id: str, token_ids: Sequence[int],
@@ -126,7 +126,7 @@ class LLMEngine:
         (request,) = self._new_sequences(request_id, token_ids, params)
         if not self.scheduler.reserve_remote(request):
             return None
-        self.outputs.add(request_id, None, [request])
+        self.output_processor.add(request_id, None, [request])
         return self.kv.block_ids(request_id)
 
     def is_reserved(self, request_id: str) -> bool:
@@ -155,7 +155,7 @@ class LLMEngine:
         request.first_token_time = time.monotonic()
         self.scheduler.start_remote(request_id, first_token)
         if first_token_sent:
-            self.outputs.skip_sent(request_id, 1)
+            self.output_processor.skip_sent(request_id, 1)
         return self._process([request])
 
     def kv_progress(self, request_id: str) -> KVProgress | None:
@@ -194,9 +194,9 @@ class LLMEngine:
             request_ids = [request_ids]
         outs = []
         for request_id in request_ids:
-            for seq in self.outputs.sequences(request_id):
+            for seq in self.output_processor.sequences(request_id):
                 self.scheduler.finish(seq.request_id, RequestStatus.FINISHED_ABORTED)
-            out = self.outputs.abort(request_id)
+            out = self.output_processor.abort(request_id)
             if out is not None:
                 outs.append(out)
         if not self.scheduler.has_unfinished():
@@ -209,8 +209,8 @@ class LLMEngine:
         never wrote). Reservations are kept: they were not in the step, and
         a transfer may be writing their blocks. Returns the aborted ids."""
         remote = self.scheduler.remote
-        ids = [rid for rid in self.outputs.groups
-               if not any(s.request_id in remote for s in self.outputs.sequences(rid))]
+        ids = [rid for rid in self.output_processor.groups
+               if not any(s.request_id in remote for s in self.output_processor.sequences(rid))]
         self.abort_request(ids)
         self.kv.reset_prefix_cache()
         return ids
@@ -222,7 +222,7 @@ class LLMEngine:
         kv = self.kv
         return EngineStats(
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
-            num_requests=len(self.outputs.groups), num_sequences=len(self.scheduler.requests),
+            num_requests=len(self.output_processor.groups), num_sequences=len(self.scheduler.requests),
             num_blocks=self.runner.num_blocks,
             num_free_blocks=kv.num_free_blocks, kv_usage=kv.usage,
             prefix_queries=kv.prefix_queries, prefix_hits=kv.prefix_hits,
@@ -276,7 +276,7 @@ class LLMEngine:
 
     def _new_sequences(self, request_id: str, token_ids: list[int], params: SamplingParams,
                        arrival_time: float | None = None) -> list[Request]:
-        if request_id in self.outputs.groups or request_id in self.scheduler.requests:
+        if request_id in self.output_processor.groups or request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         now = arrival_time if arrival_time is not None else time.monotonic()
         ids = [request_id] + [f"{request_id}#{i}" for i in range(1, params.n)]
@@ -310,7 +310,7 @@ class LLMEngine:
             self.runner.execute(sched)
 
     def _process(self, changed: list[Request]) -> list[RequestOutput]:
-        outputs, stopped = self.outputs.process(changed)
+        outputs, stopped = self.output_processor.process(changed)
         for seq_id in stopped:  # a stop string matched
             self.scheduler.finish(seq_id, RequestStatus.FINISHED_STOPPED)
         return outputs

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.async_engine import AsyncEngine
     from engine.outputs import CompletionOutput, RequestOutput
+    from tandem.async_api import AsyncEngine
     from tandem.llm import LLM
 
 __all__ = ["LLM", "AsyncEngine", "SamplingParams", "RequestOutput", "CompletionOutput"]

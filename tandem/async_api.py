@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.async_engine import AsyncEngine as _AsyncEngine
+from engine.async_engine import AsyncEngineLoop
 from engine.llm_engine import LLMEngine
 from tandem.llm import engine_config
 
 
-class AsyncEngine(_AsyncEngine):
+class AsyncEngine(AsyncEngineLoop):
     """``async for out in engine.generate(prompt, params, request_id)``."""
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:

@@ -114,10 +114,9 @@ async def test_abort_frees_the_blocks_at_once(aengine):
     params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
     gen = aengine.generate("the quick brown fox", params, "long")
     first = await gen.__anext__()
-    assert not first.finished and engine.kv.num_free_blocks < engine.runner.num_blocks
+    assert not first.finished and engine.stats().num_free_blocks < engine.stats().num_blocks
     await aengine.abort("long")
-    assert engine.kv.num_free_blocks == engine.runner.num_blocks
-    assert not engine.scheduler.requests and not engine.outputs.groups
+    assert_all_free(engine)
     rest = [out async for out in gen]
     assert rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
 
@@ -129,11 +128,10 @@ async def test_leaving_the_loop_aborts(aengine):
         assert not out.finished
         break
     for _ in range(200):  # the generator is closed by the event loop, soon
-        if not engine.scheduler.requests:
+        if not engine.stats().num_sequences:
             break
         await asyncio.sleep(0.01)
-    assert not engine.scheduler.requests and not engine.outputs.groups
-    assert engine.kv.num_free_blocks == engine.runner.num_blocks
+    assert_all_free(engine)
 
 
 async def test_closing_the_generator_aborts_at_once(aengine):
@@ -142,8 +140,7 @@ async def test_closing_the_generator_aborts_at_once(aengine):
     gen = aengine.generate("the quick brown fox", params, "closed")
     await gen.__anext__()
     await gen.aclose()
-    assert not engine.scheduler.requests and not engine.outputs.groups
-    assert engine.kv.num_free_blocks == engine.runner.num_blocks
+    assert_all_free(engine)
 
 
 async def test_a_duplicate_id_fails_without_touching_the_first(aengine):

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 from engine_fixtures import assert_all_free, make_engine, tiny
 
-from engine.async_engine import AsyncEngine
+from engine.async_engine import AsyncEngineLoop
 from engine.kv_cache_manager import hash_block
 from engine.sampling_params import SamplingParams
 
@@ -21,7 +21,7 @@ def engine():
 
 
 async def test_a_failed_step_fails_its_requests_and_the_engine_recovers(engine):
-    aengine = AsyncEngine(engine)
+    aengine = AsyncEngineLoop(engine)
     real_execute = engine.runner.execute
     calls = {"n": 0}
 

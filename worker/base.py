@@ -7,7 +7,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-from engine.async_engine import AsyncEngine
+from engine.async_engine import AsyncEngineLoop
 from engine.llm_engine import LLMEngine
 from kv_transfer.block_io import layout_of
 from rpc.errors import Draining, Unimplemented
@@ -23,7 +23,7 @@ class WorkerBase:
     def __init__(self, engine: LLMEngine, worker_id: str, address: str,
                  metrics: WorkerMetrics | None = None) -> None:
         self.engine = engine
-        self.aengine = AsyncEngine(engine)
+        self.aengine = AsyncEngineLoop(engine)
         self.worker_id = worker_id
         self.address = address
         self.io = engine.kv_blocks

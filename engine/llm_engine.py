@@ -31,6 +31,7 @@ from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
 from engine.outputs import EngineStats, KVProgress, RequestOutput
 from engine.request import Request, RequestStatus
+from engine.request_checks import check_request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.scheduler_output import SchedulerOutput
@@ -259,15 +260,12 @@ class LLMEngine:
         return None, token_ids
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
-        self.model_config.check_prompt(token_ids)
+        """ValueError unless this engine can serve the request (the gateway
+        runs the same ``check_request``; this adds what only the engine
+        knows: whether its cache can ever hold the request)."""
+        check_request(token_ids, params, self.model_config, self.max_model_len,
+                      self.config.scheduler.max_n)
         total = len(token_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
-                f"exceeds max_model_len {self.max_model_len}"
-            )
-        if params.n > self.config.scheduler.max_n:
-            raise ValueError(f"n must be at most {self.config.scheduler.max_n}, got {params.n}")
         needed = self.kv.num_blocks_for(total)
         if needed > self.runner.num_blocks:
             raise ValueError(

@@ -17,6 +17,7 @@ from opentelemetry import trace
 
 from engine.config import ModelConfig
 from engine.loader.resolve import model_fingerprint, resolve_model_dir
+from engine.request_checks import check_request
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from gateway.auth import ApiKeys
@@ -96,12 +97,10 @@ class GatewayService:
             if not prompt:
                 raise ValueError("prompt must not be empty")
             return self.tokenizer.encode(prompt)
-        self.model_config.check_prompt(prompt)
-        return list(prompt)
+        return list(prompt)  # checked against the vocabulary by check_request
 
     def tokenize_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode_chat(messages, add_generation_prompt)
 
     def default_max_tokens(self, prompt: list[int]) -> int:
         return max(1, self.max_model_len - len(prompt))
@@ -112,23 +111,16 @@ class GatewayService:
         return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
 
     def check_request(self, prompt: list[int], params: SamplingParams) -> None:
-        """ValueError (a 400) for a request over a limit or the context."""
+        """ValueError (a 400) for a request over a limit or the context: the
+        engine's own check (engine/request_checks.py), then the gateway's limits."""
         cfg = self.config
-        if params.n > cfg.max_n:
-            raise ValueError(f"n must be at most {cfg.max_n}, got {params.n}")
+        check_request(prompt, params, self.model_config, self.max_model_len, cfg.max_n)
         num_stop = len(params.stop) + len(params.stop_token_ids)
         if num_stop > cfg.max_stop:
             raise ValueError(f"at most {cfg.max_stop} stop strings and stop token ids are "
                              f"allowed, got {num_stop}")
         if any(len(s) > cfg.max_stop_chars for s in params.stop):
             raise ValueError(f"a stop string may have at most {cfg.max_stop_chars} characters")
-        total = len(prompt) + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                f"you requested {total} tokens ({len(prompt)} in the prompt, "
-                f"{params.max_tokens} for the completion)."
-            )
 
     # ---- generation ---------------------------------------------------------------------
 

@@ -114,12 +114,8 @@ class LLM:
         if tokenizer is None:
             raise ValueError("this model has no tokenizer")
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
-        prompts = [
-            tokenizer.encode(
-                tokenizer.apply_chat_template(c, add_generation_prompt), add_special_tokens=False
-            )
-            for c in conversations  # type: ignore[arg-type]
-        ]
+        prompts = [tokenizer.encode_chat(c, add_generation_prompt)
+                   for c in conversations]  # type: ignore[arg-type]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

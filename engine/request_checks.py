@@ -1,0 +1,31 @@
+"""Whether a request can be served: one check for every front end.
+
+Torch-free, so the gateway runs the same check the engine does (REST, gRPC,
+the workers' RPCs and ``LLM`` all end here), with one wording for each
+failure. ``SamplingParams`` checks its own fields when it is built; this
+checks a request against a model: its prompt and the context it needs.
+A failure is a ValueError, raised before anything is queued or allocated.
+"""
+
+from __future__ import annotations
+
+from engine.config import ModelConfig
+from engine.sampling_params import SamplingParams
+
+
+def check_request(token_ids: list[int], params: SamplingParams, model: ModelConfig,
+                  max_model_len: int, max_n: int) -> None:
+    """ValueError unless ``token_ids`` (the prompt) with ``params`` fits a
+    model served with ``max_model_len`` tokens of context and ``max_n``
+    completions per request."""
+    model.check_prompt(token_ids)
+    total = len(token_ids) + params.max_tokens
+    if total > max_model_len:
+        # NOTE: OpenAI's wording (clients parse it), and the setting's name.
+        raise ValueError(
+            f"This model's maximum context length is {max_model_len} tokens (max_model_len). "
+            f"However, you requested {total} tokens ({len(token_ids)} in the prompt, "
+            f"{params.max_tokens} for the completion)."
+        )
+    if params.n > max_n:
+        raise ValueError(f"n must be at most {max_n}, got {params.n}")

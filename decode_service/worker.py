@@ -19,6 +19,7 @@ from engine.outputs import RequestOutput
 from kv_transfer.receiver import KVReceiver
 from rpc.convert import logprobs_from_proto, params_from_proto
 from rpc.errors import Fenced, NotFound, Overloaded
+from rpc.lease import DEFAULT_LEASE_MS
 from rpc.protos import worker_pb2
 from rpc.tracing import end_span, tracer
 from worker.base import WorkerBase
@@ -27,7 +28,6 @@ from worker.outputs import prompt_logprobs_to_proto, to_chunk
 logger = logging.getLogger("decode")
 _tracer = tracer("tandem.decode")
 
-DEFAULT_LEASE_MS = 30_000
 # How long KV that has fully arrived waits for its Decode call, past the lease.
 CLAIM_GRACE_S = 30.0
 

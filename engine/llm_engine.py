@@ -23,6 +23,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
+from engine.completions import split_completions
 from engine.config import EngineConfig, ModelConfig
 from engine.dtypes import resolve_dtype
 from engine.kv_cache_manager import KVCacheManager
@@ -274,15 +275,17 @@ class LLMEngine:
 
     def _new_sequences(self, request_id: str, token_ids: list[int], params: SamplingParams,
                        arrival_time: float | None = None) -> list[Request]:
-        if request_id in self.output_processor.groups or request_id in self.scheduler.requests:
+        completions = split_completions(request_id, params)
+        if request_id in self.output_processor.groups or any(
+                seq_id in self.scheduler.requests for seq_id, _ in completions):
             raise ValueError(f"request id {request_id!r} is already in use")
         now = arrival_time if arrival_time is not None else time.monotonic()
-        ids = [request_id] + [f"{request_id}#{i}" for i in range(1, params.n)]
         seqs = [
-            Request(seq_id, token_ids, params, self.eos_token_ids, now, index=i,
-                    parent_id=request_id if i else None)
-            for i, seq_id in enumerate(ids)
+            Request(seq_id, token_ids, seq_params, self.eos_token_ids, now, index=i,
+                    parent_id=request_id if params.n > 1 else None)
+            for i, (seq_id, seq_params) in enumerate(completions)
         ]
+        # The first computes the prompt; the others fork from it (Scheduler._fork_children).
         seqs[0].pending_children = seqs[1:]
         return seqs
 

@@ -209,7 +209,7 @@ class ModelRunner:
             return None
         if state.generator is None:
             gen = torch.Generator(device=self.device)
-            gen.manual_seed(seed + state.index)
+            gen.manual_seed(seed)  # completion i of n has seed + i already (completions.py)
             # Tokens sampled elsewhere (a prefill worker's first token, the
             # tokens of a migrated request) each used one draw: skip them, so
             # the seed gives the same tokens wherever they are sampled.

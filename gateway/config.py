@@ -15,6 +15,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from rpc.lease import DEFAULT_LEASE_MS
+
 TRANSPORTS = ("grpc", "torch")
 
 
@@ -45,7 +47,7 @@ class GatewayConfig:
     transport: str = _opt("grpc", choices=TRANSPORTS)
     max_model_len: int | None = _opt(None)
     max_active_requests: int = _opt(256)
-    lease_ms: int = _opt(30_000, "how long a decode worker holds blocks reserved for a "
+    lease_ms: int = _opt(DEFAULT_LEASE_MS, "how long a decode worker holds blocks reserved for a "
                                  "prompt (plus 25 ms per prompt token)")
     max_attempts: int = _opt(3, "attempts per completion before it fails")
     finished_ttl_s: int = _opt(3600, "seconds finished request records are kept",

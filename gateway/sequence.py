@@ -7,11 +7,11 @@ place the gateway splits a request so.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 from opentelemetry import context as otel_context
 
+from engine.completions import split_completions
 from engine.sampling_params import SamplingParams
 from gateway.state import State
 
@@ -59,14 +59,10 @@ class Sequence:
 
 def fork(request_id: str, prompt: list[int], params: SamplingParams,
          trace_ctx: otel_context.Context | None = None) -> list[Sequence]:
-    """The sequences of one request: itself when ``n = 1``; otherwise ``n``
+    """The sequences of one request, split as the engine splits its own
+    (engine/completions.py): itself when ``n = 1``; otherwise ``n``
     sequences ``{request_id}-{i}`` of ``n = 1`` with seed ``seed + i``."""
     return [
-        Sequence(
-            request_id if params.n == 1 else f"{request_id}-{i}", i, prompt,
-            dataclasses.replace(params, n=1,
-                                seed=None if params.seed is None else params.seed + i),
-            record_id=request_id, trace_ctx=trace_ctx,
-        )
-        for i in range(params.n)
+        Sequence(seq_id, i, prompt, seq_params, record_id=request_id, trace_ctx=trace_ctx)
+        for i, (seq_id, seq_params) in enumerate(split_completions(request_id, params))
     ]

@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+from engine_fixtures import assert_all_free
 from tiny_models import build_tiny_model
 
 from engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
@@ -64,7 +65,7 @@ def test_padded_decode_matches_eager(tiny_dir):
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == expected
     assert {5, 4, 3, 1} <= set(batches)  # 5 and 3 ran padded to 8 and 4
-    assert llm.engine.kv.num_free_blocks == llm.engine.runner.num_blocks
+    assert_all_free(llm.engine)
 
 
 def test_padding_rows_store_nothing(tiny_dir):

@@ -10,6 +10,7 @@ import shutil
 
 import pytest
 import torch
+from engine_fixtures import assert_all_free
 from safetensors.torch import load_file, save_file
 from tiny_models import AWQ, GPTQ, build_tiny_model, quantize_checkpoint
 
@@ -198,7 +199,7 @@ def _greedy(model_dir, backend="torch", **kwargs):
               attention_backend=backend, **kwargs)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     out = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert llm.engine.kv.num_free_blocks == llm.engine.runner.num_blocks
+    assert_all_free(llm.engine)
     return out, llm
 
 

@@ -248,11 +248,24 @@ def test_n_completions(engine):
     assert out.outputs[0].token_ids == tokens(engine, PROMPT, greedy())
 
 
+def test_completion_i_of_n_is_the_request_with_seed_plus_i(engine):
+    """The one rule for n (engine/completions.py) that the gateway relies on
+    when it spreads the completions over workers as requests of their own."""
+    (out,) = run(engine, [(PROMPT, sampled(n=3, seed=7))])
+    alone = run(engine, [(PROMPT, sampled(seed=7 + i)) for i in range(3)])
+    assert [c.token_ids for c in out.outputs] == [o.outputs[0].token_ids for o in alone]
+    from gateway.sequence import fork
+
+    seqs = fork("r", PROMPT, sampled(n=3, seed=7))
+    assert [(s.request_id, s.params.seed, s.params.n) for s in seqs] == [
+        ("r-0", 7, 1), ("r-1", 8, 1), ("r-2", 9, 1)]
+
+
 def test_n_completions_share_the_prompt_blocks(engine):
     engine.add_request("r", PROMPT, greedy(n=3))  # 20 tokens: 5 blocks of 4
     engine.step()  # the prompt; the children fork from it
     engine.step()
-    tables = [engine.kv_progress(seq_id).block_ids for seq_id in ("r", "r#1", "r#2")]
+    tables = [engine.kv_progress(seq_id).block_ids for seq_id in ("r-0", "r-1", "r-2")]
     assert tables[0][:4] == tables[1][:4] == tables[2][:4]  # blocks 0-3 shared
     assert len({t[4] for t in tables}) == 3  # the last prompt block is each one's own
     stats = engine.stats()  # each shared block is held once

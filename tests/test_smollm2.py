@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from engine_fixtures import assert_all_free
 
 from engine.loader.default_model import default_model_path
 from tandem import LLM, SamplingParams
@@ -39,7 +40,7 @@ def llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LLM]:
     yield engine
     # Whatever the tests did, every request finished and gave its blocks back.
     assert not engine.engine.has_unfinished_requests()
-    assert engine.engine.kv.num_free_blocks == engine.engine.runner.num_blocks
+    assert_all_free(engine.engine)
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +71,7 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
 
 def assert_all_blocks_free(llm: LLM) -> None:
     assert not llm.engine.has_unfinished_requests()
-    assert llm.engine.kv.num_free_blocks == llm.engine.runner.num_blocks
+    assert_all_free(llm.engine)
 
 
 def test_greedy_batch_matches_transformers(llm: LLM, hf_model) -> None:

@@ -8,6 +8,7 @@ import random
 from pathlib import Path
 
 import pytest
+from engine_fixtures import assert_all_free
 from tiny_models import AWQ, GPTQ, build_tiny_model, quantize_checkpoint
 from worker_fixtures import Gateway, params, rpc_error, start_worker
 
@@ -36,7 +37,7 @@ def _run(model: str, tp: int, params) -> list[list[int]]:
         first = llm.generate(_prompts(), params, use_tqdm=False)
         again = llm.generate(_prompts(), params, use_tqdm=False)
         assert any(o.num_cached_tokens for o in again)
-        assert llm.engine.kv.num_free_blocks == llm.engine.runner.num_blocks
+        assert_all_free(llm.engine)
         return [o.outputs[0].token_ids for o in first]
     finally:
         llm.engine.shutdown()

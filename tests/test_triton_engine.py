@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from engine_fixtures import assert_all_free
 from tiny_models import build_tiny_model
 
 from tandem import LLM, SamplingParams
@@ -45,6 +46,6 @@ def test_triton_backend_matches_torch_backend(tiny_dir):
         second = llm.generate(prompts, params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in second]
         assert any(o.num_cached_tokens > 0 for o in second)
-        assert llm.engine.kv.num_free_blocks == llm.engine.runner.num_blocks
+        assert_all_free(llm.engine)
         outputs[backend] = [o.outputs[0].token_ids for o in first]
     assert outputs["triton"] == outputs["torch"]

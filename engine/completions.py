@@ -1,0 +1,29 @@
+"""The ``n`` completions of one request: the one rule for splitting it.
+
+Completion ``i`` of ``n`` is a sequence of its own with ``n = 1`` and, when
+the request is seeded, seed ``seed + i``. The engine runs them side by side
+(sharing the prompt's blocks); the gateway spreads them over workers as
+requests of their own. Both split here, so a seed gives the same ``n``
+completions either way. With ``n = 1`` the sequence is the request itself;
+otherwise sequence ``i`` is ``{request_id}-{i}``.
+
+Torch-free: the gateway imports it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from engine.sampling_params import SamplingParams
+
+
+def split_completions(request_id: str,
+                      params: SamplingParams) -> list[tuple[str, SamplingParams]]:
+    """``(sequence id, its own params)`` for each completion, in index order."""
+    if params.n == 1:
+        return [(request_id, params)]
+    return [
+        (f"{request_id}-{i}", dataclasses.replace(
+            params, n=1, seed=None if params.seed is None else params.seed + i))
+        for i in range(params.n)
+    ]

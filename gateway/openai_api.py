@@ -7,10 +7,12 @@ after a stream has begun is sent as an error event, then ``[DONE]``.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -95,6 +97,10 @@ def build_app(service: GatewayService) -> FastAPI:
     # and drops the connection, so clients saw "connection reset" instead.
     for cls in (ValueError, TandemError, Unauthorized):
         app.add_exception_handler(cls, _known)
+
+    @app.exception_handler(ClientGone)
+    async def _gone(request: Request, exc: ClientGone):  # nobody reads it: nginx's 499
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def _any(request: Request, exc: Exception):  # unexpected: 500, and logged
@@ -217,10 +223,44 @@ async def _traced(name: str, request: Request, handler, body):
     the caller's traceparent); the span ends with the response stream."""
     span = request_span(name, context_from_headers(request.headers))
     try:
-        return await handler(body, span)
+        return await _unless_gone(request, handler(body, span))
     except BaseException as exc:
         end_span(span, exc)
         raise
+
+
+class ClientGone(Exception):
+    """The client closed its connection before the answer began."""
+
+
+async def _unless_gone(request: Request, work: Awaitable[Any]) -> Any:
+    """``work``, cancelled as soon as the client disconnects: a non-streaming
+    request, or a stream still waiting for its first token, is aborted on
+    every worker then (cancelling closes its generation), not run to the end
+    for nobody. Once a stream has begun, its own writer notices the client."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        raise ClientGone("the client disconnected")
+    finally:
+        task.cancel()  # also when this call itself is cancelled
+        gone.cancel()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client closes its connection.
+
+    NOTE: not ``request.is_disconnected()``, which only peeks and, behind
+    the HTTP middleware, never sees the message: the body is read by now,
+    so the next message the server sends is the disconnect."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _answer(render, merged: AsyncIterator, body):

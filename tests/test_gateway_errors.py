@@ -10,6 +10,7 @@ import signal
 import threading
 
 import grpc
+import httpx
 import openai
 import pytest
 from gateway_fixtures import (
@@ -419,6 +420,19 @@ def test_disconnect_mid_stream_frees_every_block(gateway, workers, path, body):
         request_id = first["id"]
         # Leaving the block closes the connection mid-stream.
     wait_until(lambda: f"request {request_id} ended early" in gateway.output(), 10,
+               "the gateway to abort the disconnected request")
+    wait_blocks_free(workers)
+
+
+def test_a_non_streaming_client_that_leaves_aborts_everywhere(gateway, workers):
+    """A client that leaves before its answer (a non-streaming one gets no
+    byte until the end) aborts the request: nothing runs on for nobody."""
+    body = {"model": SERVED, "prompt": PROMPT, "max_tokens": 900, "temperature": 0,
+            "ignore_eos": True}
+    ended = gateway.output().count("ended early")
+    with gateway.http() as http, pytest.raises(httpx.TimeoutException):
+        http.post("/v1/completions", json=body, timeout=0.3)  # gone long before 900 tokens
+    wait_until(lambda: gateway.output().count("ended early") > ended, 10,
                "the gateway to abort the disconnected request")
     wait_blocks_free(workers)
 

@@ -9,6 +9,7 @@ import logging
 from gateway.app import run_gateway
 from gateway.config import add_arguments, from_args
 from rpc.logs import setup_logging
+from rpc.parent_death import die_with_parent
 from rpc.tracing import setup_tracing
 
 
@@ -24,6 +25,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
+    die_with_parent()
     args = parse(argv)
     setup_logging(args.log_format)
     setup_tracing("tandem-gateway")

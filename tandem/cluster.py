@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rpc.parent_death import ENV as PARENT_ENV
+
 ROOT = Path(__file__).resolve().parent.parent
 
 MODULES = {"prefill": "prefill_service", "decode": "decode_service", "both": "decode_service",
@@ -63,33 +65,13 @@ class Proc:
         return "\n".join(self.lines)
 
 
-def _die_with(parent: int):
-    """A preexec hook: the child gets SIGTERM (and drains) when this process
-    dies, however it dies (SIGKILL included), so no worker outlives its
-    launcher holding its port. Linux only; elsewhere a no-op.
-
-    NOTE: the kernel sends the signal when the *thread* that started the
-    child exits; clusters are started from the thread that owns them."""
-    def hook() -> None:
-        if not sys.platform.startswith("linux"):
-            return
-        import ctypes
-
-        pr_set_pdeathsig = 1
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
-        if os.getppid() != parent:  # the launcher died before the prctl took hold
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    return hook
-
-
 class LocalCluster:
     def __init__(self, log_dir: Path | None = None, env: dict[str, str] | None = None,
                  echo: bool = False) -> None:
         self.procs: list[Proc] = []
         self.log_dir = log_dir
-        self.env = {**os.environ, **(env or {})}
+        # Children end with this process, however it ends (rpc/parent_death.py).
+        self.env = {**os.environ, **(env or {}), PARENT_ENV: str(os.getpid())}
         self.env["PYTHONPATH"] = os.pathsep.join(
             p for p in [str(ROOT), self.env.get("PYTHONPATH", "")] if p
         )
@@ -103,7 +85,7 @@ class LocalCluster:
             cmd += ["--role", role]
         popen = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env,
-            cwd=str(ROOT), start_new_session=True, preexec_fn=_die_with(os.getpid()),
+            cwd=str(ROOT), start_new_session=True,
         )
         proc = Proc(role, popen)
         self.procs.append(proc)

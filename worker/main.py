@@ -13,6 +13,7 @@ from collections.abc import Callable
 from engine.cli_args import add_engine_args, config_from_args
 from engine.llm_engine import LLMEngine
 from rpc.logs import setup_logging
+from rpc.parent_death import die_with_parent
 from rpc.protos import worker_pb2, worker_pb2_grpc
 from rpc.server import GrpcServer, serve_until_signal
 from rpc.tracing import setup_tracing
@@ -51,6 +52,7 @@ def parser(description: str, roles: list[str]) -> argparse.ArgumentParser:
 
 def run(make_worker: WorkerFactory, description: str, roles: list[str],
         argv: list[str] | None = None) -> None:
+    die_with_parent()
     args = parser(description, roles).parse_args(argv)
     setup_logging(args.log_format)
     setup_tracing(f"tandem-{args.role}")

@@ -26,13 +26,11 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import cbuild
+from engine.attention.c_prelude import VECTOR_MATH
 from kernels import reference
 
-_SOURCE = r"""
-#include <math.h>
-#include <stdint.h>
+_SOURCE = VECTOR_MATH + r"""
 #include <stdlib.h>
-#include <string.h>
 
 enum { F32 = 0, BF16 = 1 };
 #define W 16          /* floats per vector */
@@ -40,12 +38,7 @@ enum { F32 = 0, BF16 = 1 };
 #define MAX_ROWS 16   /* query rows per work item: tokens x query heads per kv head */
 #define CHUNK 32      /* keys per online-softmax step */
 
-typedef float vf __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
-typedef uint32_t vu __attribute__((vector_size(64)));
 typedef uint16_t vh __attribute__((vector_size(32)));
-
-static inline vf splat(float x) { return (vf){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 
 /* 16 elements as float32; bf16 is the top half of a float32. */
 static inline __attribute__((always_inline)) vf load(const void *p, int dtype) {
@@ -84,33 +77,6 @@ static inline float hmax(vf v) {
     float m = v[0];
     for (int i = 1; i < W; i++) m = v[i] > m ? v[i] : m;
     return m;
-}
-
-/* exp(x) for x <= 0 (scores minus their running max): 2^n * e^r with
-   |r| <= ln2/2 and a degree-6 Taylor polynomial, within ~2 ulp. */
-static inline vf vexp(vf x) {
-    x = vmax(x, splat(-87.f));
-    vf n = (x * splat(1.44269504f) + splat(12582912.f)) - splat(12582912.f);
-    vf r = x - n * splat(0.693145752f) - n * splat(1.42860677e-6f);
-    vf p = splat(1.f / 720);
-    p = p * r + splat(1.f / 120);
-    p = p * r + splat(1.f / 24);
-    p = p * r + splat(1.f / 6);
-    p = p * r + splat(0.5f);
-    p = p * r + splat(1.f);
-    p = p * r + splat(1.f);
-    vu e = (vu)(__builtin_convertvector(n, vi) + 127) << 23;
-    vf scale;
-    memcpy(&scale, &e, sizeof scale);
-    return p * scale;
-}
-
-static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
 }
 
 /* A tile of `nt` consecutive query tokens of one sequence (starting at
@@ -197,7 +163,7 @@ static inline __attribute__((always_inline)) void attend_tile(
             if (dtype == F32) {
                 memcpy(o + j * W * 4, &x, sizeof x);
             } else {
-                for (int e = 0; e < W; e++) ((uint16_t *)o)[j * W + e] = to_bf16(x[e]);
+                for (int e = 0; e < W; e++) ((uint16_t *)o)[j * W + e] = bf16_out(x[e]);
             }
         }
     }

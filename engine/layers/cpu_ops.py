@@ -23,56 +23,9 @@ import functools
 import torch
 
 from engine.attention import cbuild
+from engine.attention.c_prelude import VECTOR_MATH
 
-_SOURCE = r"""
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
-
-typedef float vf __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
-
-static inline vf splat(float x) { return (vf){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
-
-static inline vf clamp(vf x, float lo, float hi) {
-    vi below = x < splat(lo), above = x > splat(hi);
-    x = (vf)(((vi)x & ~below) | ((vi)splat(lo) & below));
-    return (vf)(((vi)x & ~above) | ((vi)splat(hi) & above));
-}
-
-/* exp(x), 2^n * e^r with |r| <= ln2/2 and a degree-6 Taylor polynomial (~2 ulp). */
-static inline vf vexp(vf x) {
-    x = clamp(x, -87.f, 88.f);
-    vf n = (x * splat(1.44269504f) + splat(12582912.f)) - splat(12582912.f);
-    vf r = x - n * splat(0.693145752f) - n * splat(1.42860677e-6f);
-    vf p = splat(1.f / 720);
-    p = p * r + splat(1.f / 120);
-    p = p * r + splat(1.f / 24);
-    p = p * r + splat(1.f / 6);
-    p = p * r + splat(0.5f);
-    p = p * r + splat(1.f);
-    p = p * r + splat(1.f);
-    vi e = (__builtin_convertvector(n, vi) + 127) << 23;
-    vf scale;
-    memcpy(&scale, &e, sizeof scale);
-    return p * scale;
-}
-
-static inline float bf16_in(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t bf16_out(float f) { /* round to nearest even, as torch */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
+_SOURCE = VECTOR_MATH + r"""
 /* res_out = bf16(x + res) (or x); out = bf16(w * bf16(r * rsqrt(mean(r^2) + eps))). */
 void rms_norm_bf16(uint16_t *out, uint16_t *res_out, const uint16_t *x, const uint16_t *res,
                    const uint16_t *weight, int64_t rows, int64_t cols, int64_t x_stride,

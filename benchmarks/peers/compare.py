@@ -28,14 +28,8 @@ records the load average before, during (sampled) and after, and the ``uptime`` 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import os
-import platform
-import signal
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -52,140 +46,19 @@ from harness import (  # noqa: E402
     token_agreement,
 )
 
-HOST = "127.0.0.1"
 HERE = Path(__file__).resolve().parent
 
-
-# --------------------------------------------------------------------------- machine and load
-
-
-def machine() -> dict:
-    model = platform.processor()
-    try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-            if line.startswith("Model name:"):
-                model = line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return {"cpu": model, "cpus": os.cpu_count(), "python": platform.python_version(),
-            "platform": platform.platform()}
-
-
-def uptime() -> str:
-    try:
-        return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return f"load average {os.getloadavg()}"
-
-
-def git_state() -> str:
-    """The checkout Tandem ran from: commit, and how many tracked files differed from it
-    (the checkout is shared with other work in progress)."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                              capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=ROOT, capture_output=True, text=True).stdout.splitlines()
-    except OSError:
-        return "unknown"
-    return head + (f" + {len(dirty)} modified files" if dirty else "")
-
-
-class LoadSampler:
-    """The 1-minute load average every few seconds while a run goes on."""
-
-    def __init__(self, every_s: float = 5.0) -> None:
-        self.every_s, self.samples = every_s, [os.getloadavg()[0]]
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.every_s):
-            self.samples.append(os.getloadavg()[0])
-
-    def __enter__(self) -> LoadSampler:
-        self.before = uptime()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.samples.append(os.getloadavg()[0])
-        self.after = uptime()
-
-    def summary(self) -> dict:
-        return {"before": self.before, "after": self.after,
-                "mean_1min": sum(self.samples) / len(self.samples),
-                "max_1min": max(self.samples)}
-
-
-# --------------------------------------------------------------------------- subprocesses
-
-
-def stop_group(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
-    """SIGTERM the process we started (it shuts its own children down), then its process
-    group, then SIGKILL the group. Only processes this script started are signalled."""
-    for sig, target in ((signal.SIGTERM, "proc"), (signal.SIGTERM, "group"),
-                        (signal.SIGKILL, "group")):
-        if proc.poll() is not None and target == "proc":
-            continue
-        try:
-            if target == "proc":
-                proc.send_signal(sig)
-            else:
-                os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=grace_s)
-            if target == "proc":
-                # NOTE: give its children a moment to leave, then make sure of it.
-                time.sleep(1.0)
-        except subprocess.TimeoutExpired:
-            pass
-
-
-def run_logged(cmd: list[str], env: dict[str, str], log: Path, timeout_s: float) -> int:
-    """Run to completion in its own session, output to ``log``; -1 on timeout."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "w") as fh:
-        fh.write("$ " + " ".join(cmd) + "\n")
-        fh.flush()
-        proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **env}, stdout=fh,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            return proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            stop_group(proc)
-            return -1
-        finally:
-            if proc.poll() is None:
-                stop_group(proc)
-            else:
-                # The run exited; anything it left behind in its group goes too.
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-
-
-def tail(path: Path, n: int = 25) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
-    except OSError:
-        return ""
-
-
-def vllm_env(args: argparse.Namespace) -> dict[str, str]:
-    return {"VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_gib),
-            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-            # NOTE: without it vLLM's serving processes drop to one torch thread.
-            "OMP_NUM_THREADS": str(os.cpu_count() or 1),
-            "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false"}
-
-
-# --------------------------------------------------------------------------- offline
+from plots import plot  # noqa: E402
+from procs import (  # noqa: E402
+    LoadSampler,
+    git_state,
+    machine,
+    run_logged,
+    tail,
+    uptime,
+    vllm_env,
+)
+from serving import run_serving  # noqa: E402
 
 
 def offline_run(system: str, work_file: Path, dtype: str, args: argparse.Namespace,
@@ -251,187 +124,6 @@ def run_offline(workloads: list[Workload], args: argparse.Namespace, out_dir: Pa
 
 
 # --------------------------------------------------------------------------- serving
-
-
-def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> str | None:
-    """The served model name once ``/v1/models`` answers; None if the server died."""
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            return None
-        try:
-            r = httpx.get(f"{url}/v1/models", timeout=5)
-            if r.status_code == 200:
-                return r.json()["data"][0]["id"]
-        except (httpx.HTTPError, ValueError, KeyError, IndexError):
-            pass
-        time.sleep(2)
-    return None
-
-
-def server_command(server: str, args: argparse.Namespace, model_dir: Path,
-                   port: int) -> tuple[list[str], dict[str, str]]:
-    from tandem.cluster import free_port
-
-    if server == "vllm":
-        cmd = [str(args.vllm_python), "-m", "vllm.entrypoints.openai.api_server",
-               "--model", str(model_dir), "--served-model-name", "smollm2",
-               "--host", HOST, "--port", str(port), "--dtype", args.serve_dtype, "--seed", "0",
-               "--max-model-len", "2048"]
-        if args.vllm_eager:
-            cmd.append("--enforce-eager")
-        return cmd, vllm_env(args)
-    tandem = Path(sys.executable).with_name("tandem")
-    prefill = "1" if server == "tandem-disagg" else "0"
-    cmd = [str(tandem), "up", "--prefill", prefill, "--decode", "1", "--model", str(model_dir),
-           "--host", HOST, "--port", str(port), "--grpc-port", str(free_port()),
-           "--dtype", args.serve_dtype, "--kv-cache-gib", str(args.tandem_kv_gib)]
-    return cmd, {}
-
-
-SERVERS = {"vllm": "vLLM-cpu OpenAI server",
-           "tandem-colocated": "Tandem colocated (1 worker)",
-           "tandem-disagg": "Tandem disaggregated (1P+1D)"}
-
-
-async def drive(url: str, model: str, requests, rates, args) -> list:
-    from tandem.bench.clients import make_client
-    from tandem.bench.runner import send_sequentially
-    from tandem.bench.serve import sweep, warmup_requests
-
-    client = make_client(url, model, None, 0.0, True)
-    try:
-        warm = await send_sequentially(client, warmup_requests(2, args.vocab_size, args.seed))
-        if any(r.error for r in warm):
-            raise RuntimeError(f"warm-up failed: {next(r.error for r in warm if r.error)}")
-        return await sweep(client, requests, rates, 1.0, args.seed, None, {}, False, "serve")
-    finally:
-        await client.close()
-
-
-def run_serving(args: argparse.Namespace, out_dir: Path, model_dir: Path
-                ) -> tuple[list[dict], list[dict], dict]:
-    from tandem.bench.arrivals import parse_rates
-    from tandem.bench.datasets import random_requests, stream_hash
-    from tandem.cluster import free_port
-
-    requests = random_requests(args.serve_num_prompts, args.serve_input_len,
-                               args.serve_output_len, 0.0, args.vocab_size, args.seed)
-    rates = parse_rates(args.serve_rates)
-    dataset = {"num_prompts": len(requests), "input_len": args.serve_input_len,
-               "output_len": args.serve_output_len, "seed": args.seed,
-               "hash": stream_hash(requests), "rates": args.serve_rates,
-               "dtype": args.serve_dtype}
-    print(f"serving: {len(requests)} random prompts x {args.serve_input_len} -> "
-          f"{args.serve_output_len} tokens, {args.serve_dtype}, rates {args.serve_rates}, "
-          f"stream hash {dataset['hash']}", flush=True)
-    runs, rows = [], []
-    for server in args.servers.split(","):
-        port = free_port()
-        cmd, env = server_command(server, args, model_dir, port)
-        log = out_dir / "logs" / f"serve-{server}.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        print(f"  {server}: starting ...", end="", flush=True)
-        run = {"server": server, "command": " ".join(cmd), "env": env, "log": str(log),
-               "checkout": git_state()}
-        t0 = time.monotonic()
-        with open(log, "w") as fh, LoadSampler() as load:
-            proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **env}, stdout=fh,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
-            try:
-                url = f"http://{HOST}:{port}"
-                model = wait_ready(url, proc, args.server_timeout)
-                if model is None:
-                    run["error"] = "server did not come up"
-                    print(f" did not come up; see {log}", flush=True)
-                else:
-                    run["startup_s"] = time.monotonic() - t0
-                    print(f" up in {run['startup_s']:.0f}s", flush=True)
-                    points = asyncio.run(drive(url, model, requests, rates, args))
-                    run["points"] = []
-                    for p in points:
-                        m = p.metrics
-                        point = {"rate": p.rate_label, "stream_hash": p.stream_hash,
-                                 "ok": m.completed, "failed": m.failed,
-                                 "output_tok_s": m.output_throughput,
-                                 "ttft_p50_ms": m.ttft.median, "tpot_p50_ms": m.tpot.median,
-                                 "ttft_p99_ms": m.ttft.p99, "e2e_p50_ms": m.e2e.median,
-                                 "duration_s": m.duration_s,
-                                 "errors": [r.error for r in p.result.records if r.error][:3]}
-                        run["points"].append(point)
-                        print(f"    rate {p.rate_label}: {m.output_throughput:.1f} output tok/s,"
-                              f" TTFT p50 {m.ttft.median / 1000:.2f}s, TPOT p50 "
-                              f"{m.tpot.median:.0f}ms, {m.completed} ok / {m.failed} failed",
-                              flush=True)
-            except Exception as exc:  # noqa: BLE001 - one server failing must not end the run
-                run["error"] = f"{type(exc).__name__}: {exc}"
-                print(f"  {server}: {run['error']}", flush=True)
-            finally:
-                stop_group(proc)
-        run["load"] = load.summary()
-        for point in run.get("points", []):
-            rows.append({"server": SERVERS[server], **point,
-                         "load": f"{run['load']['mean_1min']:.1f}"})
-        runs.append(run)
-    return runs, rows, dataset
-
-
-# --------------------------------------------------------------------------- plots
-
-
-def plot(offline_rows: list[dict], serving_rows: list[dict], out_dir: Path) -> list[str]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plots", flush=True)
-        return []
-    written = []
-    if offline_rows:
-        fig, ax = plt.subplots(figsize=(7, 3.6))
-        labels = [f"{r['workload']}\n{r['dtype']}" for r in offline_rows]
-        xs = range(len(labels))
-        for k, (key, name) in enumerate((("vllm", "vLLM-cpu"), ("tandem", "Tandem"))):
-            ax.bar([x + (k - 0.5) * 0.38 for x in xs],
-                   [max(r[key]) if r[key] else 0 for r in offline_rows], 0.38, label=name)
-        ax.set_xticks(list(xs), labels)
-        ax.set_ylabel("output tokens / s")
-        ax.set_title("Offline LLM.generate (best repetition)")
-        ax.legend()
-        ax.grid(axis="y", alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(out_dir / "offline.png", dpi=80)
-        plt.close(fig)
-        written.append("offline.png")
-    if serving_rows:
-        fig, axes = plt.subplots(1, 3, figsize=(11, 3.6))
-        rates = list(dict.fromkeys(r["rate"] for r in serving_rows))
-        servers = list(dict.fromkeys(r["server"] for r in serving_rows))
-        width = 0.8 / max(1, len(servers))
-        for ax, key, name, scale in ((axes[0], "output_tok_s", "output tok/s", 1),
-                                     (axes[1], "ttft_p50_ms", "TTFT p50 (s)", 1000),
-                                     (axes[2], "tpot_p50_ms", "TPOT p50 (ms)", 1)):
-            for k, server in enumerate(servers):
-                ys = [next((r[key] / scale for r in serving_rows
-                            if r["server"] == server and r["rate"] == rate), 0) for rate in rates]
-                ax.bar([i + (k - (len(servers) - 1) / 2) * width for i in range(len(rates))],
-                       ys, width, label=server)
-            ax.set_xticks(range(len(rates)), [f"{r} req/s" for r in rates])
-            ax.set_title(name)
-            ax.grid(axis="y", alpha=0.3)
-        axes[0].legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out_dir / "serving.png", dpi=80)
-        plt.close(fig)
-        written.append("serving.png")
-    return written
-
-
-# --------------------------------------------------------------------------- main
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

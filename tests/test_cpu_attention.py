@@ -10,10 +10,9 @@ at most an ulp where that order tips a rounding).
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
+from paged_fixtures import make_paged, randn
 
 from engine.attention import cpu_attention
 from engine.attention.backend import AttentionMetadata
@@ -25,38 +24,11 @@ pytestmark = pytest.mark.skipif(not cpu_attention.available(),
 
 DTYPES = [torch.float32, torch.bfloat16]
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
-POISON = 50.0
 
 
 def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
     tol = TOL[ref.dtype]
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
-
-
-def make_paged(lens, block_size, num_kv_heads, head_dim, dtype, seed=0):
-    """Caches with POISON in every slot no sequence owns, and shuffled block
-    tables padded with 0."""
-    g = torch.Generator().manual_seed(seed)
-    per_seq = [math.ceil(n / block_size) for n in lens]
-    num_blocks = sum(per_seq) + 2
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.full(shape, POISON, dtype=dtype)
-    v_cache = torch.full(shape, POISON, dtype=dtype)
-    table = torch.zeros(len(lens), max(per_seq + [1]), dtype=torch.int32)
-    order = torch.randperm(num_blocks, generator=g)
-    taken = 0
-    for i, (n, nb) in enumerate(zip(lens, per_seq)):
-        table[i, :nb] = order[taken:taken + nb]
-        taken += nb
-        for pos in range(n):
-            b, off = int(table[i, pos // block_size]), pos % block_size
-            k_cache[b, off] = torch.randn(num_kv_heads, head_dim, generator=g).to(dtype)
-            v_cache[b, off] = torch.randn(num_kv_heads, head_dim, generator=g).to(dtype)
-    return k_cache, v_cache, table, torch.tensor(lens, dtype=torch.int32)
-
-
-def randn(*shape, dtype, seed):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
 def starts_of(query_lens):

@@ -28,6 +28,8 @@ logger = logging.getLogger("gateway")
 
 # ("create", 0, fields) or ("update", attempt, fields), in the order they happened.
 Op = tuple[str, int, dict[str, Any]]
+# What a call on Redis gives when Redis is down (None is a real answer: no record).
+DOWN = object()
 
 
 class FallbackStore(StateStore):
@@ -52,8 +54,8 @@ class FallbackStore(StateStore):
         return not self._down
 
     async def create(self, request_id: str, fields: dict[str, Any]) -> None:
-        if request_id not in self.pending and await self._call(self.primary.create, request_id,
-                                                               fields):
+        if request_id not in self.pending and \
+                await self._call(self.primary.create, request_id, fields) is not DOWN:
             return
         self.pending.pop(request_id, None)  # a new record replaces the old one's writes
         if self._hold(request_id, ("create", 0, fields)):
@@ -62,7 +64,7 @@ class FallbackStore(StateStore):
     async def update(self, request_id: str, attempt: int, fields: dict[str, Any]) -> bool:
         if request_id not in self.pending:
             done = await self._call(self.primary.update, request_id, attempt, fields)
-            if done is not None:
+            if done is not DOWN:
                 return bool(done)
         if not self._hold(request_id, ("update", attempt, fields)):
             return False
@@ -74,7 +76,7 @@ class FallbackStore(StateStore):
         if request_id in self.pending:
             return await self.memory.get(request_id)
         record = await self._call(self.primary.get, request_id)
-        return record or None
+        return None if record is DOWN else record
 
     async def close(self) -> None:
         if self._replaying is not None:
@@ -88,22 +90,22 @@ class FallbackStore(StateStore):
     # ---- the breaker --------------------------------------------------------------------
 
     async def _call(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
-        """``fn(*args)`` on Redis, or None when Redis is down (or just failed)."""
+        """``fn(*args)`` on Redis, or DOWN when Redis is down (or just failed)."""
         if self._down and time.monotonic() < self._retry_at:
-            return None
+            return DOWN
         try:
             result = await asyncio.wait_for(fn(*args), self.timeout_s)
         except (TimeoutError, OSError, ConnectionError) as exc:
             self._trip(exc)
-            return None
+            return DOWN
         except Exception as exc:  # redis-py's own ConnectionError/TimeoutError
             if type(exc).__module__.startswith("redis"):
                 self._trip(exc)
-                return None
+                return DOWN
             raise
         if self._down:
             self._recovered()
-        return True if result is None else result
+        return result
 
     def _trip(self, exc: BaseException) -> None:
         self._retry_at = time.monotonic() + self.cooldown_s

@@ -113,6 +113,7 @@ def test_replayed_updates_keep_their_fencing(redis_process):
     async def run() -> None:
         store = FallbackStore(RedisStore(redis_process.url), timeout_s=0.3, cooldown_s=0.0)
         await store.create("r", {"tokens_sent": 0})
+        assert await store.get("never-created") is None
         redis_process.proc.send_signal(signal.SIGSTOP)  # frozen: every call times out
         try:
             await store.update("r", 2, {"state": State.DECODING})

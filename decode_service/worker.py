@@ -58,7 +58,6 @@ class DecodeWorker(WorkerBase):
         if params.n != 1:
             raise ValueError("a reservation is for one sequence (n=1); the gateway fans out n")
         tokens = list(req.prompt_token_ids)
-        self.engine.validate(tokens, params)
         request_id = req.request_id
 
         def op(engine: LLMEngine) -> list[int] | None:
@@ -209,7 +208,6 @@ class DecodeWorker(WorkerBase):
             raise ValueError("Decode serves one sequence (n=1); the gateway fans out n")
         prompt = list(req.prompt_token_ids)
         already = list(req.output_token_ids)
-        self.engine.validate(prompt, params)
         request_id = req.request_id
 
         def add(engine: LLMEngine) -> None:

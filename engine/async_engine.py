@@ -70,8 +70,8 @@ class AsyncEngineLoop:
         # NOTE: not id(object()): a freed temporary's id is reused at once, so
         # two concurrent generates would get the same id.
         request_id = request_id or f"req-{uuid.uuid4().hex}"
+        # Tokenized here, on the caller's side; add_request validates.
         prompt_text, token_ids = self.engine.tokenize(prompt)
-        self.engine.validate(token_ids, params)
 
         def add(engine: LLMEngine) -> None:
             engine.add_request(request_id, token_ids, params, prompt_text=prompt_text)

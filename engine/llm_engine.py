@@ -131,10 +131,6 @@ class LLMEngine:
         self.output_processor.add(request_id, None, [request])
         return self.kv.block_ids(request_id)
 
-    def is_reserved(self, request_id: str) -> bool:
-        """Whether ``request_id`` holds a reservation that has not started."""
-        return request_id in self.scheduler.remote
-
     def start_remote(self, request_id: str, first_token: int,
                      first_logprobs: dict[int, float] | None = None, *,
                      first_token_sent: bool = False) -> list[RequestOutput]:

@@ -27,7 +27,7 @@ from gateway.openai_render import ChatRenderer, CompletionRenderer
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.sequence import Chunk
 from gateway.service import GatewayService, ModelNotFound, request_span
-from rpc.errors import Draining, Overloaded, TandemError
+from rpc.errors import Draining, Overloaded, TandemError, Unavailable
 from rpc.tracing import context_from_headers, end_span, tracer
 
 logger = logging.getLogger("gateway")
@@ -52,8 +52,9 @@ def error_response(exc: BaseException) -> JSONResponse:
     if isinstance(exc, Overloaded):
         return JSONResponse(error_body(str(exc), "rate_limit_error", "rate_limit_exceeded"), 429,
                             headers={"Retry-After": RETRY_AFTER_S})
-    if isinstance(exc, Draining):
-        return JSONResponse(error_body(str(exc), "service_unavailable", "draining"), 503,
+    if isinstance(exc, Unavailable):
+        code = "draining" if isinstance(exc, Draining) else "no_worker_available"
+        return JSONResponse(error_body(str(exc), "service_unavailable", code), 503,
                             headers={"Retry-After": RETRY_AFTER_S})
     if isinstance(exc, ModelNotFound):
         return JSONResponse(error_body(str(exc), "invalid_request_error", "model_not_found",

@@ -141,6 +141,9 @@ class Attempts:
         for decode in candidates:
             span = _tracer.start_span("gateway.reserve", context=seq.trace_ctx,
                                       attributes={"worker": decode.address})
+            # NOTE: a holder from before the call: cancelled while it is in
+            # flight, the reservation may exist there all the same.
+            seq.holders.add(decode.address)
             try:
                 with current(span):
                     call = self.pool.stub(decode.address).Reserve(worker_pb2.ReserveRequest(
@@ -162,8 +165,8 @@ class Attempts:
                 else:
                     unreachable = err
                 logger.info("reserve on %s failed: %s", decode.address, err.details())
+                seq.holders.discard(decode.address)
                 continue
-            seq.holders.add(decode.address)
             decode.free_blocks -= len(reply.ticket.block_ids)
             return decode, reply.ticket
         if refused is not None and not full:

@@ -29,6 +29,10 @@ from rpc.protos import worker_pb2, worker_pb2_grpc
 logger = logging.getLogger("gateway")
 
 POLL_S = 0.5
+# A registered worker whose record is missing stays known this long: a Redis
+# that restarted empty has every record back within a heartbeat (1 s), and a
+# worker that died is out of rotation anyway, by its failing polls.
+MISSING_RECORD_GRACE_S = 3.0
 # Prefix affinity yields to load when the preferred worker's queue is longer
 # than the shortest by more than this.
 AFFINITY_SLACK = 4
@@ -48,6 +52,7 @@ class WorkerView:
     refused: str = ""  # why the gateway will not use it
     draining: bool = False
     registered: bool = False  # found in the state store rather than configured
+    missing_since: float = 0.0  # when its registration was last found missing
     inflight: int = 0  # requests this gateway has on it now
     last_seen: float = 0.0
     # Liveness beyond "answers Info": the engine's step counter, when it last
@@ -134,8 +139,15 @@ class WorkerPool:
                 logger.info("discovered %s worker %s at %s", record["role"],
                             record["worker_id"], record["address"])
                 self.workers[record["address"]] = WorkerView(record["address"], registered=True)
+        now = time.monotonic()
         for address, w in list(self.workers.items()):
-            if w.registered and address not in seen:
+            if not w.registered:
+                continue
+            if address in seen:
+                w.missing_since = 0.0
+            elif not w.missing_since:
+                w.missing_since = now
+            elif now - w.missing_since > MISSING_RECORD_GRACE_S:
                 logger.info("worker %s stopped heartbeating: out of rotation", address)
                 w.left.set()
                 del self.workers[address]

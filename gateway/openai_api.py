@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
@@ -43,6 +44,24 @@ class Unauthorized(Exception):
 def error_body(message: str, type_: str, code: str | int | None = None,
                param: str | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _is_unicode_text(body: bytes) -> bool:
+    """Whether the body is UTF-8 whose JSON strings are Unicode text: JSON
+    may escape a lone surrogate (``"\\ud800"``), which no tokenizer or
+    encoder downstream accepts."""
+    try:
+        body.decode("utf-8")
+        if _SURROGATE_ESCAPE.search(body):  # rare: only then parse to check
+            json.dumps(json.loads(body), ensure_ascii=False).encode("utf-8")
+    except UnicodeError:
+        return False
+    except ValueError:  # not JSON: the route's parser says so
+        return True
+    return True
 
 
 def error_response(exc: BaseException) -> JSONResponse:
@@ -120,10 +139,9 @@ def build_app(service: GatewayService) -> FastAPI:
             body = await request.body()
             if len(body) > limit:  # a chunked body declares no length
                 return _too_large(limit)
-            try:
-                body.decode("utf-8")
-            except UnicodeDecodeError:
-                return JSONResponse(error_body("the request body is not valid UTF-8",
+            if not _is_unicode_text(body):
+                return JSONResponse(error_body("the request body is not valid UTF-8 (or "
+                                               "escapes half of a UTF-16 surrogate pair)",
                                                "invalid_request_error"), 400)
         return await call_next(request)
 

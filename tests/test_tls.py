@@ -68,7 +68,8 @@ cluster = cluster_fixture()
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory) -> Path:
-    return gen_certs(tmp_path_factory.mktemp("certs"))
+    # tandem-internal: the name docker-compose.tls.yml checks peers against.
+    return gen_certs(tmp_path_factory.mktemp("certs"), "--san", "tandem-internal")
 
 
 @pytest.fixture(scope="module")
@@ -161,15 +162,21 @@ def test_worker_refuses_callers_without_a_certificate_of_its_ca(workers, certs, 
 
 
 def test_health_check_speaks_mtls(workers, certs):
-    def check(env: dict[str, str]) -> int:
+    """As docker-compose.tls.yml runs it: TANDEM_TLS_* variables, the peer
+    checked against a shared name rather than its address."""
+
+    def check(**env: str) -> int:
         return subprocess.run([sys.executable, "-m", "rpc.healthcheck", workers[0].address],
                               env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", **env},
                               cwd=ROOT, capture_output=True, timeout=30).returncode
 
-    assert check({"TANDEM_TLS_CERT_FILE": str(certs / "prefill.pem"),
-                  "TANDEM_TLS_KEY_FILE": str(certs / "prefill-key.pem"),
-                  "TANDEM_TLS_CA_FILE": str(certs / "ca.pem")}) == 0
-    assert check({}) == 1
+    mtls = {"TANDEM_TLS_CERT_FILE": str(certs / "prefill.pem"),
+            "TANDEM_TLS_KEY_FILE": str(certs / "prefill-key.pem"),
+            "TANDEM_TLS_CA_FILE": str(certs / "ca.pem")}
+    assert check(**mtls) == 0
+    assert check(**mtls, TANDEM_TLS_SERVER_NAME="tandem-internal") == 0
+    assert check(**mtls, TANDEM_TLS_SERVER_NAME="elsewhere") == 1  # not in the certificate
+    assert check() == 1  # plaintext
 
 
 # ---- peers --------------------------------------------------------------------------

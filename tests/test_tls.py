@@ -134,6 +134,30 @@ def test_grpc_generate_over_tls(gateway, certs):
     assert replies[-1].finish_reason == "length"
 
 
+def test_gateway_can_require_client_certificates(cluster, workers, url, certs):
+    """Off by default (API keys authenticate callers); --tls-client-ca-file
+    asks REST and gRPC callers for a certificate that CA signed."""
+    gw = start_gateway(cluster, workers, "--state-url", url, *tls_flags(certs, "gateway"),
+                       "--tls-client-ca-file", str(certs / "ca.pem"))
+    try:
+        with_cert = ssl.create_default_context(cafile=str(certs / "ca.pem"))
+        with_cert.load_cert_chain(certs / "client.pem", certs / "client-key.pem")
+        with httpx.Client(verify=with_cert, timeout=30) as http:
+            assert http.get(f"https://{gw.address}/v1/models").status_code == 200
+        without = ssl.create_default_context(cafile=str(certs / "ca.pem"))
+        with httpx.Client(verify=without, timeout=30) as http, \
+                pytest.raises(httpx.TransportError):
+            http.get(f"https://{gw.address}/v1/models")
+        no_cert = grpc.ssl_channel_credentials((certs / "ca.pem").read_bytes())
+        with grpc.secure_channel(gw.grpc_address, no_cert) as channel, \
+                pytest.raises(grpc.RpcError) as err:
+            list(generation_pb2_grpc.GenerationStub(channel).Generate(
+                generation_pb2.GenerateRequest(text=PROMPT, model=SERVED), timeout=10))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        gw.proc.terminate()
+
+
 def test_plaintext_clients_are_refused(gateway, workers):
     with httpx.Client(timeout=10) as http, pytest.raises(httpx.TransportError):
         http.get(f"http://{gateway.address}/health")

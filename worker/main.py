@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import logging
 import os
 import socket
@@ -58,6 +59,13 @@ def parser(description: str, roles: list[str]) -> argparse.ArgumentParser:
     return p
 
 
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 def run(make_worker: WorkerFactory, description: str, roles: list[str],
         argv: list[str] | None = None) -> None:
     die_with_parent()
@@ -89,7 +97,7 @@ async def serve(make_worker: WorkerFactory, args: argparse.Namespace) -> None:
     worker_id = args.worker_id or f"{args.role}-{socket.gethostname()}-{server.port}"
     address = f"{host}:{server.port}"
     worker = make_worker(engine, worker_id, address, args, tls=tls, peers=args.peers)
-    if args.peers.open:
+    if args.peers.open and not _loopback(args.host):
         logger.warning("no --peer and no --state-url: this worker connects to any peer a call "
                        "names; let only the gateway reach it (or use mTLS)")
     if tls.enabled and tls.allow_torch_transport:

@@ -30,9 +30,10 @@ from gateway_fixtures import (
 from worker_fixtures import params, start_worker
 
 from engine.parallel.store import listening_store
-from rpc.errors import PermissionDenied
+from rpc.errors import PermissionDenied, Unavailable
 from rpc.protos import common_pb2, generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from rpc.tls import TLSConfig
+from tandem.cluster import free_port
 from worker.peers import PeerPolicy
 from worker.registry import PREFIX
 
@@ -265,8 +266,20 @@ async def test_peer_policy(url):
                 await call
         with pytest.raises(ValueError, match="host:port"):
             await policy.check_decode("d1", "10.0.0.2")
+        # A registration that lapses (Redis restarting) does not cut off a known peer.
+        client = redis.from_url(url)
+        await client.delete(PREFIX + "d1")
+        await client.aclose()
+        await policy.check_decode("d1", "10.0.0.2:7000")
     finally:
         await policy.close()
+    # An unreachable registry: a peer never confirmed cannot be vouched for.
+    dead = PeerPolicy(registry_url=f"redis://127.0.0.1:{free_port()}/0")
+    try:
+        with pytest.raises(Unavailable, match="unreachable"):
+            await dead.check_decode("d1", "10.0.0.2:7000")
+    finally:
+        await dead.close()
     assert PeerPolicy().open
     await PeerPolicy().check_decode("x", "192.0.2.1:9")  # no list: allowed (logged at start)
 

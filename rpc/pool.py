@@ -9,7 +9,7 @@ from rpc.tls import TLSConfig
 
 
 class ChannelPool:
-    """``tls``: every channel is TLS with this process's client certificate."""
+    """``tls`` with a CA: every channel is mTLS (rpc/channel.py)."""
 
     def __init__(self, tls: TLSConfig | None = None) -> None:
         self.tls = tls

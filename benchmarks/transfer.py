@@ -166,8 +166,9 @@ def gloo_receiver(port: int, sizes: list[int], repeats: int) -> None:
 
 
 def bench_gloo(sizes: list[int], repeats: int) -> dict:
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=TIMEOUT)
+    from engine.parallel.store import listening_store
+
+    store = listening_store("127.0.0.1", TIMEOUT)  # loopback only, not every interface
     ctx = mp.get_context("spawn")
     child = ctx.Process(target=gloo_receiver, args=(store.port, sizes, repeats))
     child.start()

@@ -7,7 +7,8 @@ from worker.main import run
 
 
 def main(argv: list[str] | None = None) -> None:
-    run(lambda engine, wid, addr, args: DecodeWorker(engine, wid, addr, role=args.role),
+    run(lambda engine, wid, addr, args, **kw: DecodeWorker(engine, wid, addr, role=args.role,
+                                                           **kw),
         "Tandem decode worker", ["decode", "both"], argv)
 
 

@@ -47,7 +47,7 @@ class DecodeWorker(WorkerBase):
         self._reaper: asyncio.Task | None = None
 
     def transports(self) -> list[str]:
-        return ["grpc", "torch"]
+        return ["grpc", "torch"] if self.torch_allowed else ["grpc"]
 
     # ---- reservations -------------------------------------------------------------
 
@@ -102,6 +102,7 @@ class DecodeWorker(WorkerBase):
             return received
 
     async def receive_torch(self, req: worker_pb2.ExpectKVRequest) -> int:
+        self.check_torch_allowed()
         with _tracer.start_as_current_span("kv_transfer.receive", attributes={
                 "transport": "torch", "request_id": req.request_id}) as span:
             received = await self.receiver.receive_torch(req)
@@ -109,6 +110,9 @@ class DecodeWorker(WorkerBase):
             return received
 
     async def open_group(self, req: worker_pb2.OpenTransferGroupRequest) -> None:
+        self.check_torch_allowed()
+        # Before joining (connecting to) the store: it must be a known prefill worker's.
+        await self.peers.check_store(req.prefill_worker_id, req.store_address)
         await self.receiver.open_group(req)
 
     async def receive_preflight(self, chunks) -> int:

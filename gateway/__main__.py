@@ -27,10 +27,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     die_with_parent()
     args = parse(argv)
+    try:  # bad TLS files or limits end the start-up here, with the reason
+        config = from_args(args)
+    except ValueError as exc:
+        raise SystemExit(f"gateway: error: {exc}") from None
     setup_logging(args.log_format)
     setup_tracing("tandem-gateway")
     logging.getLogger("uvicorn.access").setLevel(logging.WARNING)
-    asyncio.run(run_gateway(from_args(args), args.host, args.port, args.grpc_port))
+    asyncio.run(run_gateway(config, args.host, args.port, args.grpc_port))
 
 
 if __name__ == "__main__":

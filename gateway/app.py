@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import ssl
 
 import uvicorn
 
@@ -25,15 +26,26 @@ async def run_gateway(config: GatewayConfig, host: str, port: int, grpc_port: in
     service = GatewayService(config)
     await service.start()
 
-    grpc_server = GrpcServer(host, grpc_port, interceptors=[ApiKeyInterceptor(service.keys)])
+    tls = config.tls
+    # Callers of the gateway authenticate with API keys; a client certificate
+    # only when --tls-client-ca-file asks for one.
+    credentials = tls.server_credentials(config.tls_client_ca_file) if tls.enabled else None
+    grpc_server = GrpcServer(host, grpc_port, interceptors=[ApiKeyInterceptor(service.keys)],
+                             credentials=credentials)
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(service),
                                                          grpc_server.server)
     grpc_server.add_service(generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name)
     await grpc_server.start()
 
     app = build_app(service)
+    https: dict = {}
+    if tls.enabled:
+        https = {"ssl_certfile": tls.cert_file, "ssl_keyfile": tls.key_file}
+        if config.tls_client_ca_file:
+            https.update(ssl_ca_certs=config.tls_client_ca_file, ssl_cert_reqs=ssl.CERT_REQUIRED)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                           lifespan="off", timeout_graceful_shutdown=5))
+                                           lifespan="off", timeout_graceful_shutdown=5,
+                                           **https))
     server.install_signal_handlers = lambda: None  # we handle SIGTERM ourselves
     serve = asyncio.ensure_future(server.serve())
     while not server.started:
@@ -42,7 +54,7 @@ async def run_gateway(config: GatewayConfig, host: str, port: int, grpc_port: in
             raise RuntimeError("the REST server stopped at start-up")
         await asyncio.sleep(0.02)
     http_port = server.servers[0].sockets[0].getsockname()[1]
-    url = f"http://{host}:{http_port}"
+    url = f"{'https' if tls.enabled else 'http'}://{host}:{http_port}"
     print(f"TANDEM_READY gateway gateway {host}:{http_port} grpc={host}:{grpc_server.port}",
           flush=True)
     logger.info("gateway serving %s at %s (gRPC %s:%d)", service.model_name, url, host,

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rpc.lease import DEFAULT_LEASE_MS
+from rpc.tls import TLSConfig, add_tls_arguments, tls_from_args
 
 TRANSPORTS = ("grpc", "torch")
 
@@ -65,6 +66,13 @@ class GatewayConfig:
     max_stop: int = _opt(16, "most stop strings plus stop token ids in one request")
     max_stop_chars: int = _opt(1024, "longest stop string, in characters")
     tokenizer_threads: int = _opt(2, "threads that tokenize off the event loop")
+    # TLS: the shared --tls-* flags (rpc/tls.py) serve the REST and gRPC
+    # ports and make the calls to workers mTLS.
+    tls: TLSConfig = field(default_factory=TLSConfig, metadata={"cli": False})
+    tls_client_ca_file: str | None = _opt(
+        None, "CA that REST and gRPC callers' certificates must be signed by (then "
+              "required); default none: API keys authenticate callers",
+        env="TANDEM_TLS_CLIENT_CA_FILE")
     extra: dict = _opt({}, cli=False)
 
     def __post_init__(self) -> None:
@@ -72,6 +80,16 @@ class GatewayConfig:
             raise ValueError(f"transport must be 'grpc' or 'torch', got {self.transport!r}")
         if not self.stall_timeout_s > 0:
             raise ValueError(f"stall_timeout_s must be positive, got {self.stall_timeout_s}")
+        if self.transport == "torch" and self.tls.enabled and not self.tls.allow_torch_transport:
+            raise ValueError("the torch transport is neither encrypted nor authenticated: under "
+                             "TLS use --transport grpc, or --tls-allow-torch-transport on a "
+                             "trusted network")
+        if self.tls_client_ca_file:
+            if not self.tls.enabled:
+                raise ValueError("--tls-client-ca-file needs --tls-cert-file and --tls-key-file")
+            if not os.path.isfile(self.tls_client_ca_file):
+                raise ValueError(f"--tls-client-ca-file: no such file "
+                                 f"{self.tls_client_ca_file!r}")
         for name in ("max_active_requests", "max_body_bytes", "max_n", "max_prompts",
                      "max_messages", "max_stop", "max_stop_chars", "tokenizer_threads"):
             if getattr(self, name) < 1:
@@ -87,7 +105,7 @@ def flag_of(f: dataclasses.Field) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per field of ``GatewayConfig``."""
+    """One flag per field of ``GatewayConfig``, and the shared ``--tls-*`` ones."""
     hints = typing.get_type_hints(GatewayConfig)
     for f in cli_fields():
         kind = hints[f.name]
@@ -103,6 +121,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             if f.metadata.get("choices"):
                 kw["choices"] = list(f.metadata["choices"])
         parser.add_argument(flag_of(f), **kw)
+    add_tls_arguments(parser)
 
 
 def from_args(args: argparse.Namespace) -> GatewayConfig:
@@ -110,4 +129,4 @@ def from_args(args: argparse.Namespace) -> GatewayConfig:
     for f in cli_fields():
         value = getattr(args, f.name)
         values[f.name] = tuple(value) if isinstance(value, list) else value
-    return GatewayConfig(**values)
+    return GatewayConfig(**values, tls=tls_from_args(args))

@@ -51,7 +51,7 @@ class GatewayService:
         self.model_name = config.served_model_name or default_model_name(config.model)
         limit = self.model_config.max_model_len
         self.max_model_len = min(config.max_model_len or limit, limit)
-        self.channels = ChannelPool()
+        self.channels = ChannelPool(config.tls)
         self.pool = WorkerPool(self.channels, model_fingerprint(model_dir),
                                static=[*config.prefill, *config.decode],
                                registry_url=config.state_url)

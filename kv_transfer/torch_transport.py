@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from engine.kv_blocks import KVBlockView
+from engine.parallel.store import listening_store
 from kv_transfer.base import PREFLIGHT_BYTES, KVSender
 from kv_transfer.layout import KVLayout, TransferStats
 from rpc.errors import peer_error
@@ -97,13 +98,16 @@ class TorchSender(KVSender):
     name = "torch"
 
     def __init__(self, io: KVBlockView, layout: KVLayout, channels: ChannelPool,
-                 worker_id: str, host: str = "127.0.0.1") -> None:
+                 worker_id: str, host: str = "127.0.0.1", bind_host: str | None = None) -> None:
+        """``host``: where decode workers reach this worker's store;
+        ``bind_host``: the address the store listens on (default ``host``)."""
         super().__init__()
         self.io = io
         self.layout = layout
         self.channels = channels
         self.worker_id = worker_id
         self.host = host
+        self.bind_host = bind_host or host
         self._store: dist.TCPStore | None = None
         self._groups: dict[str, PairGroup] = {}
         self._open_locks: dict[str, asyncio.Lock] = {}
@@ -111,8 +115,7 @@ class TorchSender(KVSender):
     @property
     def store(self) -> dist.TCPStore:
         if self._store is None:
-            self._store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False,
-                                        timeout=TIMEOUT)
+            self._store = listening_store(self.bind_host, TIMEOUT)
         return self._store
 
     async def _pair(self, ticket: worker_pb2.Ticket) -> PairGroup:

@@ -7,11 +7,11 @@ from worker.main import run
 
 
 def main(argv: list[str] | None = None) -> None:
-    # The TCPStore of the torch transport listens on every interface; peers
-    # reach it at the advertised host.
-    run(lambda engine, wid, addr, args: PrefillWorker(
+    # The torch transport's store listens on --host; peers reach it at the
+    # advertised host.
+    run(lambda engine, wid, addr, args, **kw: PrefillWorker(
             engine, wid, addr, default_transport=args.transport,
-            host=args.advertise_host or args.host),
+            host=args.advertise_host or args.host, bind_host=args.host, **kw),
         "Tandem prefill worker", ["prefill"], argv)
 
 

@@ -32,15 +32,21 @@ class PrefillWorker(WorkerBase):
     role = "prefill"
 
     def __init__(self, engine: LLMEngine, worker_id: str, address: str,
-                 default_transport: str = "grpc", host: str = "127.0.0.1", **kwargs) -> None:
+                 default_transport: str = "grpc", host: str = "127.0.0.1",
+                 bind_host: str | None = None, **kwargs) -> None:
+        """``host``: where decode workers reach this one (the torch
+        transport's store); ``bind_host``: where that store listens."""
         super().__init__(engine, worker_id, address, **kwargs)
-        self.channels = ChannelPool()
+        self.channels = ChannelPool(self.tls)
         self.senders: dict[str, KVSender] = {
             "grpc": GrpcSender(self.io, self.layout, self.channels),
-            "torch": TorchSender(self.io, self.layout, self.channels, worker_id, host),
+            "torch": TorchSender(self.io, self.layout, self.channels, worker_id, host,
+                                 bind_host),
         }
         if default_transport not in self.senders:
             raise ValueError(f"unknown transport {default_transport!r}; choose grpc or torch")
+        if default_transport == "torch":
+            self.check_torch_allowed()
         self.default_transport = default_transport
         for sender in self.senders.values():
             sender.on_preflight.append(
@@ -51,7 +57,7 @@ class PrefillWorker(WorkerBase):
         self.transfers: dict[str, asyncio.Task] = {}
 
     def transports(self) -> list[str]:
-        return list(self.senders)
+        return [t for t in self.senders if t != "torch" or self.torch_allowed]
 
     async def abort(self, request_id: str) -> bool:
         transfer = self.transfers.get(request_id)
@@ -62,6 +68,8 @@ class PrefillWorker(WorkerBase):
     async def prefill(self, req: worker_pb2.PrefillRequest) -> worker_pb2.PrefillResponse:
         self.check_accepting()
         ticket = req.ticket
+        # Before anything connects: the ticket's decode worker must be one we know.
+        await self.peers.check_decode(ticket.decode_worker_id, ticket.decode_address)
         self.layout.check_compatible(KVLayout.from_proto(ticket.layout),
                                      f"decode worker {ticket.decode_worker_id}")
         if ticket.lease_expiry_unix_ms and ticket.lease_expiry_unix_ms < time.time() * 1000:
@@ -69,6 +77,8 @@ class PrefillWorker(WorkerBase):
         sender = self.senders.get(req.transport or self.default_transport)
         if sender is None:
             raise ValueError(f"unknown transport {req.transport!r}; choose grpc or torch")
+        if sender.name == "torch":
+            self.check_torch_allowed()
         params = params_from_proto(req.params)
         if params.n != 1:
             raise ValueError("a prefill is for one sequence (n=1); the gateway fans out n")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import grpc
 
+from rpc.tls import TLSConfig
+
 # KV chunks are a few MiB; leave headroom over the 4 MiB default.
 MAX_MESSAGE_BYTES = 64 << 20
 
@@ -23,5 +25,11 @@ OPTIONS = [
 ]
 
 
-def aio_channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=OPTIONS)
+def aio_channel(address: str, tls: TLSConfig | None = None) -> grpc.aio.Channel:
+    """A channel to ``address``: mTLS (the server checked against the CA, this
+    process's certificate shown) when ``tls`` has a CA, plaintext otherwise (a
+    gateway may serve TLS to its callers and talk plaintext to local workers)."""
+    if tls is None or not tls.mutual:
+        return grpc.aio.insecure_channel(address, options=OPTIONS)
+    return grpc.aio.secure_channel(address, tls.channel_credentials(),
+                                   options=[*OPTIONS, *tls.channel_options()])

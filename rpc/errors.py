@@ -54,6 +54,20 @@ class LayoutMismatch(TandemError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class PermissionDenied(TandemError):
+    """The call names a peer this worker may not connect to (not a
+    registered worker), before any connection is tried."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class Refused(TandemError):
+    """What the call asks for is turned off here (the torch KV transport
+    under TLS)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
 class Fenced(TandemError):
     """A call from an attempt the gateway has already given up on."""
 
@@ -75,6 +89,7 @@ _FROM_CODE = {
     grpc.StatusCode.UNIMPLEMENTED: Unimplemented,
     grpc.StatusCode.FAILED_PRECONDITION: LayoutMismatch,
     grpc.StatusCode.ABORTED: Fenced,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
 }
 
 

@@ -19,11 +19,15 @@ logger = logging.getLogger("rpc")
 
 
 class GrpcServer:
-    def __init__(self, host: str, port: int, interceptors: list | None = None) -> None:
+    def __init__(self, host: str, port: int, interceptors: list | None = None,
+                 credentials: grpc.ServerCredentials | None = None) -> None:
+        """``credentials``: serve TLS (``TLSConfig.server_credentials``)."""
         self.server = grpc.aio.server(
             interceptors=[ErrorInterceptor(), *(interceptors or [])], options=OPTIONS
         )
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        address = f"{host}:{port}"
+        self.port = (self.server.add_insecure_port(address) if credentials is None
+                     else self.server.add_secure_port(address, credentials))
         if self.port == 0:
             raise RuntimeError(f"could not bind {host}:{port}")
         self.health = health.aio.HealthServicer()

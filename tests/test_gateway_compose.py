@@ -25,7 +25,8 @@ def compose() -> str:
     return binary
 
 
-@pytest.mark.parametrize("overlays", [[], ["docker-compose.gpu.yml"]], ids=["cpu", "gpu"])
+@pytest.mark.parametrize("overlays", [[], ["docker-compose.gpu.yml"], ["docker-compose.tls.yml"]],
+                         ids=["cpu", "gpu", "tls"])
 def test_compose_file_is_valid(compose, overlays):
     files = ["docker-compose.yml", *overlays]
     for name in overlays:

@@ -10,9 +10,11 @@ from collections.abc import AsyncIterator
 from engine.async_engine import AsyncEngineLoop
 from engine.llm_engine import LLMEngine
 from kv_transfer.block_io import layout_of
-from rpc.errors import Draining, Unimplemented
+from rpc.errors import Draining, Refused, Unimplemented
 from rpc.protos import worker_pb2
+from rpc.tls import TLSConfig
 from worker.metrics import WorkerMetrics
+from worker.peers import PeerPolicy
 
 logger = logging.getLogger("worker")
 
@@ -21,7 +23,10 @@ class WorkerBase:
     role = "base"
 
     def __init__(self, engine: LLMEngine, worker_id: str, address: str,
-                 metrics: WorkerMetrics | None = None) -> None:
+                 metrics: WorkerMetrics | None = None, tls: TLSConfig | None = None,
+                 peers: PeerPolicy | None = None) -> None:
+        """``tls``: calls to other workers are mTLS; ``peers``: which workers
+        a call may name (worker/peers.py; default: any)."""
         self.engine = engine
         self.aengine = AsyncEngineLoop(engine)
         self.worker_id = worker_id
@@ -32,6 +37,20 @@ class WorkerBase:
         self.metrics = metrics or WorkerMetrics(worker_id, self.role)
         self.aengine.step_hooks.append(lambda _: self.metrics.observe_engine(engine))
         self.inflight: set[str] = set()
+        self.tls = tls or TLSConfig()
+        self.peers = peers or PeerPolicy()
+
+    @property
+    def torch_allowed(self) -> bool:
+        """The torch KV transport neither encrypts nor authenticates: under
+        TLS only with ``--tls-allow-torch-transport``."""
+        return not self.tls.enabled or self.tls.allow_torch_transport
+
+    def check_torch_allowed(self) -> None:
+        if not self.torch_allowed:
+            raise Refused("the torch KV transport is off under TLS (it is neither encrypted "
+                          "nor authenticated); use the grpc transport, or start the workers "
+                          "with --tls-allow-torch-transport on a trusted network")
 
     def check_accepting(self) -> None:
         if self.draining:
@@ -97,3 +116,4 @@ class WorkerBase:
 
     async def close(self) -> None:
         await self.aengine.shutdown()
+        await self.peers.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import logging
 import os
 import socket
@@ -16,15 +17,18 @@ from rpc.logs import setup_logging
 from rpc.parent_death import die_with_parent
 from rpc.protos import worker_pb2, worker_pb2_grpc
 from rpc.server import GrpcServer, serve_until_signal
+from rpc.tls import add_tls_arguments, tls_from_args
 from rpc.tracing import setup_tracing
 from worker.base import WorkerBase
 from worker.cpu_cores import format_cores, pin_to_cores
+from worker.peers import PeerPolicy
 from worker.registry import Registration
 from worker.servicer import WorkerServicer
 
 logger = logging.getLogger("worker")
 
-WorkerFactory = Callable[[LLMEngine, str, str, argparse.Namespace], WorkerBase]
+# (engine, worker id, address, flags, **WorkerBase keywords: tls, peers)
+WorkerFactory = Callable[..., WorkerBase]
 
 
 def parser(description: str, roles: list[str]) -> argparse.ArgumentParser:
@@ -32,7 +36,8 @@ def parser(description: str, roles: list[str]) -> argparse.ArgumentParser:
     add_engine_args(p)
     g = p.add_argument_group("worker")
     g.add_argument("--role", default=roles[0], choices=roles)
-    g.add_argument("--host", default="127.0.0.1", help="address to bind")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (0.0.0.0: every interface, only when asked)")
     g.add_argument("--advertise-host", default=None,
                    help="host other processes reach this worker at (default: --host)")
     g.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
@@ -40,6 +45,9 @@ def parser(description: str, roles: list[str]) -> argparse.ArgumentParser:
     g.add_argument("--metrics-port", type=int, default=None, help="serve /metrics here")
     g.add_argument("--state-url", default=os.environ.get("REDIS_URL"),
                    help="Redis URL to register in (default: $REDIS_URL; none: no registration)")
+    g.add_argument("--peer", action="append", default=[], metavar="HOST:PORT",
+                   help="a worker this one may connect to (repeatable); with --state-url, "
+                        "registered workers are allowed too; with neither, any")
     g.add_argument("--grace", type=float, default=10.0, help="seconds to drain on SIGTERM")
     g.add_argument("--transport", default="grpc", choices=["grpc", "torch"],
                    help="default KV transport of a prefill worker")
@@ -47,13 +55,29 @@ def parser(description: str, roles: list[str]) -> argparse.ArgumentParser:
     g.add_argument("--cpu-cores", default=None, metavar="LIST",
                    help="compute only on these cores, e.g. 0-3 (one torch thread each); "
                         "give workers that share a host disjoint lists")
+    add_tls_arguments(p)
     return p
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def run(make_worker: WorkerFactory, description: str, roles: list[str],
         argv: list[str] | None = None) -> None:
     die_with_parent()
-    args = parser(description, roles).parse_args(argv)
+    p = parser(description, roles)
+    args = p.parse_args(argv)
+    try:  # bad TLS files or peers end the start-up here, before the model loads
+        args.tls = tls_from_args(args)
+        args.peers = PeerPolicy(args.peer, args.state_url)
+    except ValueError as exc:
+        p.error(str(exc))
+    if args.tls.enabled and not args.tls.mutual:
+        p.error("a worker's TLS is mTLS: give --tls-ca-file too (peers are checked against it)")
     setup_logging(args.log_format)
     setup_tracing(f"tandem-{args.role}")
     asyncio.run(serve(make_worker, args))
@@ -64,11 +88,21 @@ async def serve(make_worker: WorkerFactory, args: argparse.Namespace) -> None:
         cores = pin_to_cores(args.cpu_cores)
         logger.info("computing on cores %s", format_cores(cores))
     engine = LLMEngine(config_from_args(args))
-    server = GrpcServer(args.host, args.port)
+    tls = args.tls
+    # A worker's callers are the gateway and other workers: all show a
+    # certificate the CA signed (mTLS).
+    server = GrpcServer(args.host, args.port,
+                        credentials=tls.server_credentials(tls.ca_file) if tls.enabled else None)
     host = args.advertise_host or args.host
     worker_id = args.worker_id or f"{args.role}-{socket.gethostname()}-{server.port}"
     address = f"{host}:{server.port}"
-    worker = make_worker(engine, worker_id, address, args)
+    worker = make_worker(engine, worker_id, address, args, tls=tls, peers=args.peers)
+    if args.peers.open and not _loopback(args.host):
+        logger.warning("no --peer and no --state-url: this worker connects to any peer a call "
+                       "names; let only the gateway reach it (or use mTLS)")
+    if tls.enabled and tls.allow_torch_transport:
+        logger.warning("--tls-allow-torch-transport: KV over the torch transport is neither "
+                       "encrypted nor authenticated; keep the workers on a trusted network")
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(worker), server.server)
     server.add_service(worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name)
     registration = Registration(args.state_url, worker) if args.state_url else None
@@ -86,7 +120,8 @@ async def serve(make_worker: WorkerFactory, args: argparse.Namespace) -> None:
             await registration.start()
         # Launchers and tests wait for this line.
         print(f"TANDEM_READY {worker.role} {worker_id} {address}", flush=True)
-        logger.info("%s worker %s serving on %s", worker.role, worker_id, address)
+        logger.info("%s worker %s serving on %s%s", worker.role, worker_id, address,
+                    " (mTLS)" if tls.enabled else "")
 
     async def drain() -> None:
         await server.set_serving(False)

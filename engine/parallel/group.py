@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from engine.errors import EngineUnusable
+from engine.parallel.store import listening_store
 
 # How long a rank waits in a collective for the others: long enough for a
 # slow first step, short enough that a dead rank surfaces as an error.
@@ -68,8 +69,7 @@ class TensorParallel:
     def host(self) -> str:
         """Rank 0: start the group's rendezvous store on a port the system
         picks (no port to guess and race for); returns its address."""
-        self._store = dist.TCPStore("127.0.0.1", 0, self.size, is_master=True,
-                                    wait_for_workers=False, timeout=COLLECTIVE_TIMEOUT)
+        self._store = listening_store("127.0.0.1", COLLECTIVE_TIMEOUT, self.size)
         return f"127.0.0.1:{self._store.port}"
 
     def join(self, address: str, backend: str) -> None:

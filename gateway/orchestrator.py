@@ -64,11 +64,14 @@ class Orchestrator:
                                   attributes={"request_id": request_id, "n": params.n,
                                               "prompt_tokens": len(prompt)})
         seqs = fork(request_id, prompt, params, trace.set_span_in_context(span))
-        await self.records.open(request_id, prompt, params, seqs)
         self._active[request_id] = seqs
-        merged = FanIn([self._sequence(s) for s in seqs])
+        merged: FanIn | None = None
         final, error = State.FINISHED, None
         try:
+            # NOTE: inside the try: a client gone while the record is being
+            # opened must still have it closed (ABORTED), not left QUEUED.
+            await self.records.open(request_id, prompt, params, seqs)
+            merged = FanIn([self._sequence(s) for s in seqs])
             async for _, chunk in merged:
                 yield chunk
         except (asyncio.CancelledError, GeneratorExit):
@@ -81,7 +84,8 @@ class Orchestrator:
             span.set_attribute("state", final.value)
             end_span(span, error)
             self._active.pop(request_id, None)
-            merged.cancel()
+            if merged is not None:
+                merged.cancel()
             # NOTE: wound up in a task of its own. Starlette cancels a
             # disconnected client's stream with an anyio cancel scope, which
             # cancels every await made here again: awaited in place, the final
@@ -91,9 +95,10 @@ class Orchestrator:
             wind_up.add_done_callback(self._winding_up.discard)
             await asyncio.shield(wind_up)
 
-    async def _wind_up(self, merged: FanIn, request_id: str, seqs: list[Sequence],
+    async def _wind_up(self, merged: FanIn | None, request_id: str, seqs: list[Sequence],
                        final: State) -> None:
-        await merged.aclose()
+        if merged is not None:
+            await merged.aclose()
         await self.records.close(request_id, seqs, final)
 
     async def _sequence(self, seq: Sequence) -> AsyncIterator[Chunk]:

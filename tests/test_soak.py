@@ -164,11 +164,16 @@ def test_soak_with_a_worker_kill_and_a_redis_restart(cluster):
         # Records written since the restart (replayed or new) all reached an end.
         raw = redis.Redis(port=store.port, decode_responses=True)
 
-        def all_final() -> bool:
-            states = [raw.hget(key, "state") for key in raw.scan_iter(KEY + "*")]
-            return bool(states) and set(states) <= FINAL_STATES
+        def states() -> Counter:
+            return Counter(raw.hget(key, "state") for key in raw.scan_iter(KEY + "*"))
 
-        wait_until(all_final, 15, "every request record in a final state")
+        try:
+            wait_until(lambda: states() and set(states()) <= FINAL_STATES, 15,
+                       "every request record in a final state")
+        except AssertionError as exc:
+            stuck = {key: raw.hgetall(key) for key in raw.scan_iter(KEY + "*")
+                     if raw.hget(key, "state") not in FINAL_STATES}
+            raise AssertionError(f"{exc}: {dict(states())}; {stuck}") from None
         gateway.proc.terminate()
         for w in survivors:
             w.proc.terminate()

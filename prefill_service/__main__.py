@@ -5,6 +5,9 @@ from __future__ import annotations
 from prefill_service.worker import PrefillWorker
 from worker.main import run
 
+DESCRIPTION = "Tandem prefill worker"
+ROLES = ["prefill"]
+
 
 def main(argv: list[str] | None = None) -> None:
     # The TCPStore of the torch transport listens on every interface; peers
@@ -12,7 +15,7 @@ def main(argv: list[str] | None = None) -> None:
     run(lambda engine, wid, addr, args: PrefillWorker(
             engine, wid, addr, default_transport=args.transport,
             host=args.advertise_host or args.host),
-        "Tandem prefill worker", ["prefill"], argv)
+        DESCRIPTION, ROLES, argv)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ operator's and KEDA's API references.
 from __future__ import annotations
 
 import copy
+import os
+import re
 import shutil
 import subprocess
 
@@ -20,7 +22,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from k8s_manifests import every_rendering, kustomizations, render
+from k8s_manifests import ROOT, every_rendering, kustomizations, render
 
 OLDEST = "1.29.0"  # kubelet gRPC probes are GA from 1.27; policy/v1, autoscaling/v2 older
 VERSIONS = (OLDEST, kubernetes_validate.latest_version())
@@ -137,3 +139,24 @@ def test_renders_as_kubectl_does(path):
 
     theirs = sorted((o for o in yaml.safe_load_all(out) if o), key=key)
     assert sorted(render(path), key=key) == theirs
+
+
+def test_the_overlay_in_docs_deploy_md_renders(tmp_path):
+    """docs/deploy.md's own overlay (image, keys, model) with its
+    tensor-parallel patch: it renders and every object stays valid."""
+    from kustomize_lite import build
+
+    doc = (ROOT.parent.parent / "docs" / "deploy.md").read_text()
+    overlay = re.search(r"cat > kustomization.yaml <<'EOF'\n(.*?)\nEOF", doc, re.S).group(1)
+    tp = re.search(r"```yaml\npatches:\n(.*?)```", doc, re.S).group(1)
+    overlay = overlay.replace("../deploy/kubernetes/", os.path.relpath(ROOT, tmp_path) + "/")
+    (tmp_path / "kustomization.yaml").write_text(overlay + "\n" + tp)
+    objects = build(tmp_path)
+    for obj in objects:
+        validate(obj)
+    decode = next(o for o in objects if o["metadata"]["name"] == "tandem-decode"
+                  and o["kind"] == "Deployment")
+    (container,) = decode["spec"]["template"]["spec"]["containers"]
+    assert "--tensor-parallel-size=4" in container["args"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 4
+    assert container["image"] == "REGISTRY/tandem:cuda"

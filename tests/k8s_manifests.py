@@ -51,6 +51,7 @@ def render_with(component: Path) -> tuple[dict, ...]:
         return tuple(build(d))
 
 
+@functools.cache
 def every_rendering() -> dict[str, tuple[dict, ...]]:
     out = {str(p.relative_to(ROOT)): render(p) for p in kustomizations()}
     out.update({f"base+{c.relative_to(ROOT)}": render_with(c) for c in components()})

@@ -21,13 +21,13 @@ from k8s_manifests import (
     ROOT,
     container_env,
     deployments_selected,
+    every_rendering,
     expand,
     named,
     of_kind,
     pod_labels,
     selects,
 )
-from test_kubernetes import RENDERINGS
 
 from engine.cli_args import config_from_args
 from gateway.config import from_args
@@ -36,6 +36,7 @@ from worker.main import parser as worker_parser
 ENTRY_POINTS = {"gateway", "prefill_service", "decode_service"}
 DRAIN_MARGIN_S = 10  # after the grace period: stop the servers, shut the engine down
 
+RENDERINGS = every_rendering()
 CASES = sorted(RENDERINGS)
 
 

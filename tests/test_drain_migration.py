@@ -9,6 +9,11 @@ workers run with ``--grace 0``, so the hand-back is certain, not a race with
 the stream's end (test_workers.py checks that a stream within the grace
 period finishes where it is).
 
+The workers run as in a Kubernetes pod: bound to every interface,
+advertising this machine's routable address (their pod IP there) in Redis,
+and the gateway knows them only from Redis, so every call and every KV push
+goes to the advertised address.
+
 The gateway's /metrics carries its own queue (``vllm:num_requests_waiting``,
 ``vllm:num_requests_running``) and every worker's load from its polls
 (``tandem:worker_*``, labelled by worker).
@@ -16,8 +21,10 @@ The gateway's /metrics carries its own queue (``vllm:num_requests_waiting``,
 
 from __future__ import annotations
 
+import json
 import re
 import signal
+import socket
 
 import httpx
 import pytest
@@ -42,15 +49,42 @@ url = redis_db_fixture(DB)
 cluster = cluster_fixture()
 
 
+def routable_ip() -> str:
+    """This machine's address on its default route (no packet is sent), or
+    loopback where it has none."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("198.51.100.1", 9))
+            return s.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+POD_IP = routable_ip()
+
+
 @pytest.fixture(scope="module")
 def workers(cluster, url):
     return start_workers(cluster, ["prefill", "decode", "decode"], NUM_BLOCKS,
-                         "--state-url", url, "--grace", "0")
+                         "--state-url", url, "--grace", "0",
+                         "--host", "0.0.0.0", "--advertise-host", POD_IP)
 
 
 @pytest.fixture(scope="module")
 def gateway(cluster, workers, url):
-    return start_gateway(cluster, workers, "--state-url", url)
+    return start_gateway(cluster, [], "--state-url", url)  # finds them in Redis
+
+
+def test_workers_register_their_advertised_address(workers, url):
+    import redis
+
+    client = redis.Redis.from_url(url, decode_responses=True)
+    try:
+        records = [json.loads(client.get(k)) for k in client.scan_iter("tandem:worker:*")]
+    finally:
+        client.close()
+    assert sorted(r["address"] for r in records) == sorted(w.address for w in workers)
+    assert all(w.address.startswith(f"{POD_IP}:") for w in workers)
 
 
 def series(text: str, name: str) -> dict[str, float]:
@@ -108,7 +142,9 @@ def test_sigterm_hands_open_streams_to_another_decode_worker(gateway, workers, u
     # The drained worker says what it handed back, and exits cleanly.
     assert serving.proc.popen.wait(15) == 0, serving.proc.output()[-3000:]
     assert "handing" in serving.proc.output()
+    # Out of the registry, so out of the gateway's pool (a worker given by
+    # flag would stay, with tandem:worker_up 0).
     wait_until(lambda: series(scrape(gateway), "tandem:worker_up").get(
         f'{{address="{serving.address}",worker="{serving.worker_id}",'
-        f'worker_role="decode"}}') == 0.0, 10, "the gateway to mark the worker down")
+        f'worker_role="decode"}}', 0.0) == 0.0, 10, "the gateway to drop the worker")
     wait_blocks_free([w for w in workers if w is not serving])

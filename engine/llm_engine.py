@@ -61,6 +61,7 @@ class LLMEngine:
                                  cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.num_steps = 0  # steps that ran the model: a liveness signal for callers
         logger.info(
             "dtype %s; KV cache: %d blocks = %d tokens (block_size %d, %.1f MiB); "
             "max_model_len %d", config.dtype,
@@ -224,6 +225,7 @@ class LLMEngine:
             num_blocks=self.runner.num_blocks,
             num_free_blocks=kv.num_free_blocks, kv_usage=kv.usage,
             prefix_queries=kv.prefix_queries, prefix_hits=kv.prefix_hits,
+            num_steps=self.num_steps,
         )
 
     @property
@@ -295,6 +297,7 @@ class LLMEngine:
             self._forget_if_idle(sched)
             return []
         result = self.runner.execute(sched)
+        self.num_steps += 1
         outputs = self._process(self.scheduler.update(sched, result))
         if not self.scheduler.has_unfinished():
             self._forget_if_idle(self.scheduler.schedule())

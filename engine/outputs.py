@@ -60,3 +60,4 @@ class EngineStats:
     kv_usage: float
     prefix_queries: int  # prompt tokens looked up in the prefix cache
     prefix_hits: int  # of those, tokens found
+    num_steps: int = 0  # model steps run since start: grows while the engine makes progress

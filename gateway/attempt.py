@@ -27,9 +27,10 @@ import grpc
 from gateway.request_record import RequestRecords
 from gateway.router import WorkerPool, WorkerView
 from gateway.sequence import Chunk, Sequence
+from gateway.stall import StallWatch
 from gateway.state import State
 from rpc.convert import params_to_proto
-from rpc.errors import Overloaded, from_rpc_error
+from rpc.errors import Overloaded, Unavailable, from_rpc_error
 from rpc.protos import worker_pb2
 from rpc.tracing import current, end_span, tracer
 
@@ -45,6 +46,11 @@ RETRYABLE = {
 }
 
 LEASE_MS_PER_PROMPT_TOKEN = 25
+# How long a retry waits for the previous attempt's aborts. One that takes
+# longer (a frozen worker) goes on in the background, and its worker is not
+# given the sequence again until it has answered or timed out.
+ABORT_WAIT_S = 0.5
+ABORT_TIMEOUT_S = 5.0
 
 
 class AttemptFailed(Exception):
@@ -56,6 +62,11 @@ class AttemptFailed(Exception):
         self.details = details
 
 
+class NoWorkerAvailable(Unavailable):
+    """No decode worker is in rotation at all (REST 503): not a full cluster
+    (429), a missing one."""
+
+
 def _worker_failure(err: grpc.aio.AioRpcError) -> Exception:
     if err.code() in RETRYABLE:
         return AttemptFailed(err.code(), err.details() or "")
@@ -64,11 +75,13 @@ def _worker_failure(err: grpc.aio.AioRpcError) -> Exception:
 
 class Attempts:
     def __init__(self, pool: WorkerPool, records: RequestRecords, transport: str,
-                 lease_ms: int) -> None:
+                 lease_ms: int, stall_timeout_s: float) -> None:
         self.pool = pool
         self.records = records
         self.transport = transport
         self.lease_ms = lease_ms
+        self.stall_timeout_s = stall_timeout_s
+        self._aborts: set[asyncio.Task] = set()  # strong references until done
 
     async def run(self, seq: Sequence, tried: set[str]) -> AsyncIterator[Chunk]:
         """The chunks of one attempt, to the finish reason. Raises
@@ -83,8 +96,10 @@ class Attempts:
 
     async def _run(self, seq: Sequence, tried: set[str]) -> AsyncIterator[Chunk]:
         needed = len(seq.prompt) + len(seq.sent) + 1
-        candidates = self.pool.decode_candidates(needed, tried)
+        candidates = self.pool.decode_candidates(needed, tried, exclude=seq.aborting)
         if not candidates:
+            if not self.pool.decode_workers():
+                raise NoWorkerAvailable("no decode worker is available")
             raise Overloaded("no decode worker has room for the request")
         params = params_to_proto(seq.params)
         if self.pool.colocated or seq.sent:
@@ -126,6 +141,9 @@ class Attempts:
         for decode in candidates:
             span = _tracer.start_span("gateway.reserve", context=seq.trace_ctx,
                                       attributes={"worker": decode.address})
+            # NOTE: a holder from before the call: cancelled while it is in
+            # flight, the reservation may exist there all the same.
+            seq.holders.add(decode.address)
             try:
                 with current(span):
                     call = self.pool.stub(decode.address).Reserve(worker_pb2.ReserveRequest(
@@ -147,8 +165,8 @@ class Attempts:
                 else:
                     unreachable = err
                 logger.info("reserve on %s failed: %s", decode.address, err.details())
+                seq.holders.discard(decode.address)
                 continue
-            seq.holders.add(decode.address)
             decode.free_blocks -= len(reply.ticket.block_ids)
             return decode, reply.ticket
         if refused is not None and not full:
@@ -165,7 +183,7 @@ class Attempts:
 
     async def _prefill(self, seq: Sequence, ticket, params, tried: set[str]):
         prefill = self.pool.pick_prefill(seq.prompt, tried) or self.pool.pick_prefill(
-            seq.prompt, set())
+            seq.prompt, seq.aborting)
         if prefill is None:
             raise AttemptFailed(grpc.StatusCode.UNAVAILABLE, "no prefill worker is available")
         # NOTE: counted before the first await, so that requests arriving
@@ -207,11 +225,14 @@ class Attempts:
                                   attributes={"worker": decode.address,
                                               "migrated": bool(request.output_token_ids)})
         error: BaseException | None = None
+        watch: StallWatch | None = None
         try:
             finished = False
             with current(span):
                 stream = self.pool.stub(decode.address).Decode(request)
+            watch = StallWatch(decode, self.stall_timeout_s, stream)
             async for c in stream:
+                watch.progress()
                 chunk = Chunk(
                     index=seq.index, token_ids=list(c.token_ids), text=c.text,
                     logprobs=list(c.logprobs), finish_reason=c.finish_reason or None,
@@ -230,10 +251,20 @@ class Attempts:
                     # is garbage collected.
             if finished:
                 return
+        except asyncio.CancelledError as exc:
+            error = exc
+            if watch is not None and watch.reason and not _being_cancelled():
+                # Our watch cancelled the call, not the client: move the stream.
+                logger.warning("%s: %s", seq.request_id, watch.reason)
+                error = AttemptFailed(grpc.StatusCode.UNAVAILABLE, watch.reason)
+                raise error from None
+            raise
         except BaseException as exc:
             error = exc
             raise
         finally:
+            if watch is not None:
+                watch.close()
             span.set_attribute("tokens", len(seq.sent))
             end_span(span, error)
             decode.inflight -= 1
@@ -245,13 +276,33 @@ class Attempts:
                             "decode stream ended without a finish reason")
 
     async def abort_everywhere(self, seq: Sequence) -> None:
-        """Best effort: every worker that may hold blocks of ``seq`` frees them."""
+        """Best effort: every worker that may hold blocks of ``seq`` frees
+        them. Waits ``ABORT_WAIT_S`` at most; a worker still to answer stays
+        in ``seq.aborting`` (no new attempt goes there: a late Abort would
+        end it) until it answers or its call times out."""
         holders, seq.holders = set(seq.holders), set()
-        await asyncio.gather(*(
-            self.pool.stub(a).Abort(worker_pb2.AbortRequest(request_id=seq.request_id),
-                                    timeout=5.0)
-            for a in holders
-        ), return_exceptions=True)
+        if not holders:
+            return
+        seq.aborting |= holders
+        calls = [asyncio.ensure_future(self._abort(seq, a)) for a in holders]
+        self._aborts.update(calls)
+        for call in calls:
+            call.add_done_callback(self._aborts.discard)
+        await asyncio.wait(calls, timeout=ABORT_WAIT_S)
+
+    async def _abort(self, seq: Sequence, address: str) -> None:
+        try:
+            await self.pool.stub(address).Abort(
+                worker_pb2.AbortRequest(request_id=seq.request_id), timeout=ABORT_TIMEOUT_S)
+        except grpc.aio.AioRpcError as err:
+            logger.info("abort of %s on %s failed: %s", seq.request_id, address, err.code().name)
+        finally:
+            seq.aborting.discard(address)
+
+
+def _being_cancelled() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def _first_chunk(seq: Sequence, first: worker_pb2.PrefillResponse) -> Chunk:

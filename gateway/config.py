@@ -50,6 +50,9 @@ class GatewayConfig:
     lease_ms: int = _opt(DEFAULT_LEASE_MS, "how long a decode worker holds blocks reserved for a "
                                  "prompt (plus 25 ms per prompt token)")
     max_attempts: int = _opt(3, "attempts per completion before it fails")
+    stall_timeout_s: float = _opt(5.0, "a decode stream with no token for this long (or 20 of "
+                                       "its worker's steps, if longer) while its worker runs "
+                                       "no step moves to another worker")
     finished_ttl_s: int = _opt(3600, "seconds finished request records are kept",
                                flag="--finished-ttl")
     drain_grace_s: float = _opt(10.0, flag="--grace")
@@ -67,6 +70,8 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be 'grpc' or 'torch', got {self.transport!r}")
+        if not self.stall_timeout_s > 0:
+            raise ValueError(f"stall_timeout_s must be positive, got {self.stall_timeout_s}")
         for name in ("max_active_requests", "max_body_bytes", "max_n", "max_prompts",
                      "max_messages", "max_stop", "max_stop_chars", "tokenizer_threads"):
             if getattr(self, name) < 1:

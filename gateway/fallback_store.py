@@ -5,7 +5,9 @@ recovery, not for serving. So while Redis cannot be reached, writes go to
 this process's memory and are replayed, in order, once it answers again;
 requests go on meanwhile. A circuit breaker keeps requests from each
 waiting out a timeout: after a failure Redis is not tried again for
-``cooldown_s`` seconds (then one call probes it).
+``cooldown_s`` seconds (then one call probes it). A probe of its own also
+runs every ``cooldown_s`` while Redis is down, so that the records are
+replayed (and the gauge comes back) when it returns, traffic or not.
 
 What is lost: a gateway that dies during an outage loses the writes it held
 (each of those requests is counted as unrecorded), and the replay is capped
@@ -30,6 +32,7 @@ logger = logging.getLogger("gateway")
 Op = tuple[str, int, dict[str, Any]]
 # What a call on Redis gives when Redis is down (None is a real answer: no record).
 DOWN = object()
+PROBE_ID = "-probe-"  # a record no request has: reading it only asks whether Redis answers
 
 
 class FallbackStore(StateStore):
@@ -48,6 +51,7 @@ class FallbackStore(StateStore):
         self._retry_at = 0.0
         self._down = False
         self._replaying: asyncio.Task | None = None
+        self._probing: asyncio.Task | None = None
 
     @property
     def available(self) -> bool:
@@ -79,8 +83,9 @@ class FallbackStore(StateStore):
         return None if record is DOWN else record
 
     async def close(self) -> None:
-        if self._replaying is not None:
-            self._replaying.cancel()
+        for task in (self._replaying, self._probing):
+            if task is not None:
+                task.cancel()
         if self.pending:
             logger.warning("closing with %d request records never written to the state store",
                            len(self.pending))
@@ -114,6 +119,15 @@ class FallbackStore(StateStore):
             logger.error("state store unreachable (%s): serving on, recording in memory", exc)
             if self.on_change is not None:
                 self.on_change(False)
+        if self._probing is None or self._probing.done():
+            self._probing = asyncio.ensure_future(self._probe())
+
+    async def _probe(self) -> None:
+        """While Redis is down: try it every ``cooldown_s`` until it answers
+        (``_call`` then notes the recovery and starts the replay)."""
+        while self._down:
+            await asyncio.sleep(max(0.0, self._retry_at - time.monotonic()))
+            await self._call(self.primary.get, PROBE_ID)
 
     def _recovered(self) -> None:
         self._down = False

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
@@ -27,7 +28,7 @@ from gateway.openai_render import ChatRenderer, CompletionRenderer
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.sequence import Chunk
 from gateway.service import GatewayService, ModelNotFound, request_span
-from rpc.errors import Draining, Overloaded, TandemError
+from rpc.errors import Draining, Overloaded, TandemError, Unavailable
 from rpc.tracing import context_from_headers, end_span, tracer
 
 logger = logging.getLogger("gateway")
@@ -45,6 +46,24 @@ def error_body(message: str, type_: str, code: str | int | None = None,
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _is_unicode_text(body: bytes) -> bool:
+    """Whether the body is UTF-8 whose JSON strings are Unicode text: JSON
+    may escape a lone surrogate (``"\\ud800"``), which no tokenizer or
+    encoder downstream accepts."""
+    try:
+        body.decode("utf-8")
+        if _SURROGATE_ESCAPE.search(body):  # rare: only then parse to check
+            json.dumps(json.loads(body), ensure_ascii=False).encode("utf-8")
+    except UnicodeError:
+        return False
+    except ValueError:  # not JSON: the route's parser says so
+        return True
+    return True
+
+
 def error_response(exc: BaseException) -> JSONResponse:
     """The status and OpenAI error object for an exception."""
     if isinstance(exc, Unauthorized):
@@ -52,8 +71,9 @@ def error_response(exc: BaseException) -> JSONResponse:
     if isinstance(exc, Overloaded):
         return JSONResponse(error_body(str(exc), "rate_limit_error", "rate_limit_exceeded"), 429,
                             headers={"Retry-After": RETRY_AFTER_S})
-    if isinstance(exc, Draining):
-        return JSONResponse(error_body(str(exc), "service_unavailable", "draining"), 503,
+    if isinstance(exc, Unavailable):
+        code = "draining" if isinstance(exc, Draining) else "no_worker_available"
+        return JSONResponse(error_body(str(exc), "service_unavailable", code), 503,
                             headers={"Retry-After": RETRY_AFTER_S})
     if isinstance(exc, ModelNotFound):
         return JSONResponse(error_body(str(exc), "invalid_request_error", "model_not_found",
@@ -119,10 +139,9 @@ def build_app(service: GatewayService) -> FastAPI:
             body = await request.body()
             if len(body) > limit:  # a chunked body declares no length
                 return _too_large(limit)
-            try:
-                body.decode("utf-8")
-            except UnicodeDecodeError:
-                return JSONResponse(error_body("the request body is not valid UTF-8",
+            if not _is_unicode_text(body):
+                return JSONResponse(error_body("the request body is not valid UTF-8 (or "
+                                               "escapes half of a UTF-16 surrogate pair)",
                                                "invalid_request_error"), 400)
         return await call_next(request)
 

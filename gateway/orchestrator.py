@@ -23,7 +23,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from engine.sampling_params import SamplingParams
-from gateway.attempt import AttemptFailed, Attempts
+from gateway.attempt import AttemptFailed, Attempts, NoWorkerAvailable
 from gateway.fan_in import FanIn
 from gateway.request_record import RequestRecords
 from gateway.router import WorkerPool
@@ -47,10 +47,10 @@ class StreamFailed(TandemError):
 
 class Orchestrator:
     def __init__(self, pool: WorkerPool, store: StateStore, transport: str, lease_ms: int,
-                 max_attempts: int) -> None:
+                 max_attempts: int, stall_timeout_s: float) -> None:
         self.pool = pool
         self.records = RequestRecords(store)
-        self.attempts = Attempts(pool, self.records, transport, lease_ms)
+        self.attempts = Attempts(pool, self.records, transport, lease_ms, stall_timeout_s)
         self.max_attempts = max_attempts
         self._winding_up: set[asyncio.Task] = set()  # strong references until done
         self._active: dict[str, list[Sequence]] = {}  # request id -> its sequences
@@ -125,10 +125,10 @@ class Orchestrator:
                 async for chunk in self.attempts.run(seq, tried):
                     yield chunk
                 return
-            except Overloaded:
+            except (Overloaded, NoWorkerAvailable) as err:
                 if not seq.sent:
-                    raise  # no decode worker has room: the client gets 429
-                last_error = StreamFailed("no decode worker has room to continue the request")
+                    raise  # no room (429) or no decode worker at all (503)
+                last_error = StreamFailed(f"cannot continue the request: {err}")
             except AttemptFailed as err:
                 logger.warning("%s attempt %d failed (%s); %s", seq.request_id, seq.attempt,
                                err, "migrating" if seq.sent else "retrying")

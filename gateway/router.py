@@ -29,6 +29,10 @@ from rpc.protos import worker_pb2, worker_pb2_grpc
 logger = logging.getLogger("gateway")
 
 POLL_S = 0.5
+# A registered worker whose record is missing stays known this long: a Redis
+# that restarted empty has every record back within a heartbeat (1 s), and a
+# worker that died is out of rotation anyway, by its failing polls.
+MISSING_RECORD_GRACE_S = 3.0
 # Prefix affinity yields to load when the preferred worker's queue is longer
 # than the shortest by more than this.
 AFFINITY_SLACK = 4
@@ -48,8 +52,18 @@ class WorkerView:
     refused: str = ""  # why the gateway will not use it
     draining: bool = False
     registered: bool = False  # found in the state store rather than configured
+    missing_since: float = 0.0  # when its registration was last found missing
     inflight: int = 0  # requests this gateway has on it now
     last_seen: float = 0.0
+    # Liveness beyond "answers Info": the engine's step counter, when it last
+    # grew, and the seconds per step it grew at while busy (stall.py).
+    num_steps: int = 0
+    stepped_at: float = 0.0
+    step_s: float = 0.0
+    # Set when the worker leaves rotation (stops answering, stops heartbeating,
+    # refused); replaced by a fresh event when it comes back. Streams on it
+    # watch the event they started with, and move.
+    left: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def usable(self) -> bool:
@@ -125,9 +139,17 @@ class WorkerPool:
                 logger.info("discovered %s worker %s at %s", record["role"],
                             record["worker_id"], record["address"])
                 self.workers[record["address"]] = WorkerView(record["address"], registered=True)
+        now = time.monotonic()
         for address, w in list(self.workers.items()):
-            if w.registered and address not in seen:
+            if not w.registered:
+                continue
+            if address in seen:
+                w.missing_since = 0.0
+            elif not w.missing_since:
+                w.missing_since = now
+            elif now - w.missing_since > MISSING_RECORD_GRACE_S:
                 logger.info("worker %s stopped heartbeating: out of rotation", address)
+                w.left.set()
                 del self.workers[address]
 
     async def _poll(self, w: WorkerView) -> None:
@@ -137,7 +159,11 @@ class WorkerPool:
             if w.healthy:
                 logger.warning("worker %s is not answering: out of rotation", w.address)
             w.healthy = False
+            w.left.set()
             return
+        if w.left.is_set():
+            w.left = asyncio.Event()
+        _observe_steps(w, info.num_steps, busy=w.num_running > 0)
         w.role, w.worker_id = info.role, info.worker_id
         w.free_blocks, w.num_blocks = info.free_blocks, info.num_blocks
         w.block_size = info.layout.block_size or 16
@@ -149,6 +175,8 @@ class WorkerPool:
             w.refused = (f"serves model fingerprint {fp}, the gateway's model is "
                          f"{self.fingerprint}")
             logger.error("refusing worker %s (%s): %s", w.worker_id, w.address, w.refused)
+        if w.refused:
+            w.left.set()
 
     # ---- choosing ------------------------------------------------------------------------
 
@@ -160,16 +188,22 @@ class WorkerPool:
         """No prefill workers: 'both' workers serve whole requests."""
         return not self.usable(("prefill",)) and bool(self.usable(("both",)))
 
-    def decode_candidates(self, num_tokens: int, tried: set[str]) -> list[WorkerView]:
-        """Every decode worker whose whole cache can hold ``num_tokens``, in
-        the order to ask them: room by the last poll first, then untried
-        before tried, then most free blocks, then least loaded.
+    def decode_workers(self) -> list[WorkerView]:
+        """The workers in rotation that can take a request's decode."""
+        return self.usable(("both",) if self.colocated else ("decode", "both"))
+
+    def decode_candidates(self, num_tokens: int, tried: set[str],
+                          exclude: set[str] = frozenset()) -> list[WorkerView]:
+        """Every decode worker whose whole cache can hold ``num_tokens``
+        (``exclude`` left out), in the order to ask them: room by the last
+        poll first, then untried before tried, then most free blocks, then
+        least loaded.
 
         The polled free counts only order the list: they lag behind requests
         that finished since the poll, and a worker's Reserve answer decides.
         """
-        roles = ("both",) if self.colocated else ("decode", "both")
-        fits = [w for w in self.usable(roles) if w.num_blocks * w.block_size >= num_tokens]
+        fits = [w for w in self.decode_workers()
+                if w.num_blocks * w.block_size >= num_tokens and w.address not in exclude]
 
         def order(w: WorkerView):
             room = w.free_blocks * w.block_size >= num_tokens
@@ -200,3 +234,15 @@ class WorkerPool:
              "load": w.load}
             for w in self.workers.values()
         ]
+
+
+def _observe_steps(w: WorkerView, num_steps: int, busy: bool) -> None:
+    """Note a poll's step counter: when it grew, and (over a poll interval
+    in which the worker was busy) how long its steps take."""
+    now = time.monotonic()
+    if num_steps == w.num_steps:
+        return
+    if busy and w.last_seen and num_steps > w.num_steps:
+        per_step = (now - w.last_seen) / (num_steps - w.num_steps)
+        w.step_s = per_step if not w.step_s else 0.8 * w.step_s + 0.2 * per_step
+    w.num_steps, w.stepped_at = num_steps, now

@@ -39,6 +39,7 @@ class Sequence:
     params: SamplingParams
     sent: list[int] = field(default_factory=list)
     holders: set[str] = field(default_factory=set)  # worker addresses holding it now
+    aborting: set[str] = field(default_factory=set)  # addresses an Abort has yet to reach
     attempt: int = 0
     record_id: str = ""  # the request's state record: its id without the -{index}
     trace_ctx: otel_context.Context | None = None  # parent of this sequence's spans

@@ -64,7 +64,8 @@ class GatewayService:
                                        on_change=self.metrics.state_store_up.set)
         self.metrics.state_store_up.set(1)
         self.orchestrator = Orchestrator(self.pool, self.store, config.transport,
-                                         config.lease_ms, config.max_attempts)
+                                         config.lease_ms, config.max_attempts,
+                                         config.stall_timeout_s)
         self.active = 0
         self.draining = False
         self.created = int(time.time())

@@ -18,8 +18,10 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -31,12 +33,13 @@ import grpc
 import httpx
 import openai
 import pytest
+import redis
 from engine_fixtures import tiny_with_tokenizer
 from httpx_sse import EventSource
 from worker_fixtures import Worker, start_worker
 
 from rpc.protos import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
-from tandem.cluster import LocalCluster, Proc
+from tandem.cluster import LocalCluster, Proc, free_port
 
 SERVED = "tiny-llama"  # --served-model-name of every tiny-model gateway
 REDIS_ENV = "TANDEM_TEST_REDIS_URL"
@@ -271,6 +274,48 @@ class RedisMonitor:
             if "state" in w and (not states or states[-1] != w["state"]):
                 states.append(w["state"])
         return states
+
+
+class RedisProcess:
+    """A throwaway redis-server on a fixed port, to stop and start again
+    (the suite's shared Redis must stay up). A context manager: started on
+    entry, stopped and its directory removed on exit."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.dir = tempfile.mkdtemp()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", self.dir], stdout=subprocess.DEVNULL)
+        client = redis.Redis(port=self.port)
+        for _ in range(100):
+            try:
+                client.ping()
+                return
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        raise RuntimeError("redis-server did not start")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+    def __enter__(self) -> RedisProcess:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def cluster_fixture():

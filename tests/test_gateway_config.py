@@ -15,7 +15,7 @@ KNOWN_FLAGS = {
     "--model", "--served-model-name", "--prefill", "--decode", "--state-url", "--api-key",
     "--api-key-file",
     "--transport", "--max-model-len", "--max-active-requests", "--lease-ms",
-    "--max-attempts", "--finished-ttl", "--grace",
+    "--max-attempts", "--stall-timeout-s", "--finished-ttl", "--grace",
     # Request limits.
     "--max-body-bytes", "--max-n", "--max-prompts", "--max-messages", "--max-stop",
     "--max-stop-chars", "--tokenizer-threads",

@@ -176,6 +176,16 @@ def test_invalid_utf8_is_400(http):
         assert "UTF-8" in error["message"]
 
 
+def test_lone_surrogates_are_400(http):
+    """Valid JSON, but no Unicode text: "\\ud800" escapes a half of a pair."""
+    for path, body in (("/v1/completions", b'{"prompt": "a\\ud800b"}'),
+                       ("/v1/completions", b'{"prompt": "x", "stop": ["\\udfff"]}'),
+                       ("/v1/chat/completions",
+                        b'{"messages": [{"role": "user", "content": "\\ud83d"}]}')):
+        response = http.post(path, content=body, headers={"content-type": "application/json"})
+        assert_error(response, 400)
+
+
 def test_wrong_content_type_is_not_500(http):
     response = http.post("/v1/completions", content=b'{"prompt": "x"}',
                          headers={"content-type": "text/plain"})

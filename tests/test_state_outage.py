@@ -7,17 +7,20 @@ from __future__ import annotations
 import asyncio
 import shutil
 import signal
-import subprocess
-import tempfile
 import time
 
 import pytest
 import redis
-from gateway_fixtures import SERVED, cluster_fixture, start_gateway, start_workers
+from gateway_fixtures import (
+    SERVED,
+    RedisProcess,
+    cluster_fixture,
+    start_gateway,
+    start_workers,
+)
 
 from gateway.fallback_store import FallbackStore
 from gateway.state import KEY, MemoryStore, RedisStore, State
-from tandem.cluster import free_port
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None,
                                 reason="needs Debian's redis-server (make test installs it)")
@@ -25,45 +28,10 @@ pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None,
 cluster = cluster_fixture()
 
 
-class RedisProcess:
-    """A throwaway redis-server on a fixed port, to stop and start again."""
-
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.dir = tempfile.mkdtemp()
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", self.dir], stdout=subprocess.DEVNULL)
-        client = redis.Redis(port=self.port)
-        for _ in range(100):
-            try:
-                client.ping()
-                return
-            except redis.ConnectionError:
-                time.sleep(0.05)
-        raise RuntimeError("redis-server did not start")
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-            self.proc = None
-
-
 @pytest.fixture
 def redis_process():
-    r = RedisProcess()
-    r.start()
-    yield r
-    r.stop()
-    shutil.rmtree(r.dir, ignore_errors=True)
+    with RedisProcess() as r:
+        yield r
 
 
 def test_requests_go_on_while_redis_is_down_and_are_recorded_after(cluster, redis_process):

@@ -47,7 +47,7 @@ class WorkerBase:
             layout=self.layout.to_proto(), num_blocks=stats.num_blocks,
             free_blocks=stats.num_free_blocks, max_model_len=e.max_model_len,
             num_running=stats.num_running, num_waiting=stats.num_waiting,
-            transports=self.transports(), draining=self.draining,
+            transports=self.transports(), draining=self.draining, num_steps=stats.num_steps,
         )
 
     def transports(self) -> list[str]:

@@ -5,11 +5,14 @@ from __future__ import annotations
 from decode_service.worker import DecodeWorker
 from worker.main import run
 
+DESCRIPTION = "Tandem decode worker"
+ROLES = ["decode", "both"]  # the first is the default --role
+
 
 def main(argv: list[str] | None = None) -> None:
     run(lambda engine, wid, addr, args, **kw: DecodeWorker(engine, wid, addr, role=args.role,
                                                            **kw),
-        "Tandem decode worker", ["decode", "both"], argv)
+        DESCRIPTION, ROLES, argv)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from kv_transfer.receiver import KVReceiver
 from rpc.convert import logprobs_from_proto, params_from_proto
-from rpc.errors import Fenced, NotFound, Overloaded
+from rpc.errors import Draining, Fenced, NotFound, Overloaded
 from rpc.lease import DEFAULT_LEASE_MS
 from rpc.protos import worker_pb2
 from rpc.tracing import end_span, tracer
@@ -158,6 +158,9 @@ class DecodeWorker(WorkerBase):
                     else:
                         self.metrics.itl.observe((now - last) / len(comp.delta_token_ids))
                     last = now
+                if comp.finish_reason == "abort" and request_id in self.evicted:
+                    raise Draining(f"worker {self.worker_id} shut down before {request_id!r} "
+                                   "finished; continue it on another worker")
                 chunk = to_chunk(out, comp)
                 if first:
                     chunk.prompt_logprobs.extend(prompt_logprobs_to_proto(out))
@@ -177,6 +180,7 @@ class DecodeWorker(WorkerBase):
             span.set_attributes({"steps": steps, "tokens": len(comp.token_ids) if steps else 0})
             end_span(span, None if isinstance(error, GeneratorExit) else error)
             self.inflight.discard(request_id)
+            self.evicted.discard(request_id)
             await outs.aclose()
 
     def _continue_reserved(self, req: worker_pb2.DecodeRequest):
@@ -220,6 +224,11 @@ class DecodeWorker(WorkerBase):
         return add
 
     # ---- leases and aborts ------------------------------------------------------------
+
+    def held(self) -> list[str]:
+        # NOTE: a reservation counts: its prefill is running and its Decode
+        # call follows (it is taken while draining), so the drain waits for it.
+        return [*self.inflight, *(r for r in self.leases if r not in self.inflight)]
 
     async def abort(self, request_id: str) -> bool:
         if request_id in self._reserving:

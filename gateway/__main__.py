@@ -13,7 +13,7 @@ from rpc.parent_death import die_with_parent
 from rpc.tracing import setup_tracing
 
 
-def parse(argv: list[str] | None = None) -> argparse.Namespace:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Tandem gateway")
     # Where this process listens and logs; GatewayConfig's flags follow.
     p.add_argument("--host", default="127.0.0.1")
@@ -21,7 +21,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--grpc-port", type=int, default=0, help="gRPC Generate port (0: any free)")
     p.add_argument("--log-format", default="plain", choices=["plain", "json"])
     add_arguments(p)
-    return p.parse_args(argv)
+    return p
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    return parser().parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:

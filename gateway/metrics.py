@@ -13,6 +13,11 @@ class GatewayMetrics(RequestMetrics):
         self.rejected = Counter("tandem:requests_rejected",
                                 "Requests refused because the server was full",
                                 registry=self.registry)
+        # NOTE: the gateway's own queue: admitted, no token yet (reserving,
+        # prefilling); ``running`` counts those streaming tokens. Together
+        # they are the requests in flight (--max-active-requests bounds them).
+        self.waiting = Gauge("vllm:num_requests_waiting",
+                             "Requests admitted that have no token yet", registry=self.registry)
         self.state_store_up = Gauge("tandem:state_store_up",
                                     "1 while the request state store (Redis) answers; 0 while "
                                     "records are held in the gateway's memory",

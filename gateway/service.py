@@ -28,6 +28,7 @@ from gateway.orchestrator import Orchestrator
 from gateway.router import WorkerPool
 from gateway.sequence import Chunk
 from gateway.state import make_store
+from gateway.worker_gauges import WorkerGauges
 from rpc.errors import Draining, NotFound, Overloaded
 from rpc.pool import ChannelPool
 from rpc.tracing import tracer
@@ -56,6 +57,7 @@ class GatewayService:
                                static=[*config.prefill, *config.decode],
                                registry_url=config.state_url)
         self.metrics = GatewayMetrics()
+        self.metrics.registry.register(WorkerGauges(self.pool))
         self.store = make_store(config.state_url, config.finished_ttl_s)
         if config.state_url:  # Redis: generation goes on without it (fallback_store.py)
             self.store = FallbackStore(self.store, config.finished_ttl_s,
@@ -139,7 +141,7 @@ class GatewayService:
             raise Overloaded(f"{self.active} requests in progress; try again shortly")
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         self.active += 1
-        self.metrics.running.inc()
+        self.metrics.waiting.inc()
         start = time.monotonic()
         last: float | None = None
         first_at: float | None = None
@@ -154,6 +156,8 @@ class GatewayService:
                     if last is None:
                         first_at = now
                         self.metrics.ttft.observe(now - start)
+                        self.metrics.waiting.dec()
+                        self.metrics.running.inc()
                     else:
                         self.metrics.itl.observe(now - last)
                     last = now
@@ -164,7 +168,7 @@ class GatewayService:
             finished_ok = True
         finally:
             self.active -= 1
-            self.metrics.running.dec()
+            (self.metrics.waiting if first_at is None else self.metrics.running).dec()
             e2e = time.monotonic() - start
             if finished_ok:
                 self.metrics.e2e.observe(e2e)

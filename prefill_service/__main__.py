@@ -5,6 +5,9 @@ from __future__ import annotations
 from prefill_service.worker import PrefillWorker
 from worker.main import run
 
+DESCRIPTION = "Tandem prefill worker"
+ROLES = ["prefill"]
+
 
 def main(argv: list[str] | None = None) -> None:
     # The torch transport's store listens on --host; peers reach it at the
@@ -12,7 +15,7 @@ def main(argv: list[str] | None = None) -> None:
     run(lambda engine, wid, addr, args, **kw: PrefillWorker(
             engine, wid, addr, default_transport=args.transport,
             host=args.advertise_host or args.host, bind_host=args.host, **kw),
-        "Tandem prefill worker", ["prefill"], argv)
+        DESCRIPTION, ROLES, argv)
 
 
 if __name__ == "__main__":

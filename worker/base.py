@@ -37,6 +37,9 @@ class WorkerBase:
         self.metrics = metrics or WorkerMetrics(worker_id, self.role)
         self.aengine.step_hooks.append(lambda _: self.metrics.observe_engine(engine))
         self.inflight: set[str] = set()
+        # Requests this worker gave up at shutdown: their streams end with
+        # UNAVAILABLE (Draining), not a finish reason, so the gateway moves them.
+        self.evicted: set[str] = set()
         self.tls = tls or TLSConfig()
         self.peers = peers or PeerPolicy()
 
@@ -103,16 +106,24 @@ class WorkerBase:
         await self.aengine.abort(request_id)
         return found
 
+    def held(self) -> list[str]:
+        """Requests this worker still owes an answer or blocks to."""
+        return list(self.inflight)
+
     async def drain(self, grace: float) -> None:
-        """Stop taking new work; wait up to ``grace`` seconds for in-flight
-        requests, then abort what is left."""
+        """Stop taking new work; wait up to ``grace`` seconds for what is in
+        flight to finish, then hand the rest back: each still-open stream
+        ends with UNAVAILABLE (``Draining``), which the gateway answers by
+        migrating it to another worker (prompt + tokens so far), and its
+        blocks are freed."""
         self.draining = True
         deadline = time.monotonic() + grace
-        while self.inflight and time.monotonic() < deadline:
+        while self.held() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        for request_id in list(self.inflight):
-            logger.warning("aborting %s at shutdown", request_id)
-            await self.aengine.abort(request_id)
+        for request_id in self.held():
+            logger.warning("handing %s back at shutdown", request_id)
+            self.evicted.add(request_id)
+            await self.abort(request_id)
 
     async def close(self) -> None:
         await self.aengine.shutdown()

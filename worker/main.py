@@ -125,9 +125,12 @@ async def serve(make_worker: WorkerFactory, args: argparse.Namespace) -> None:
 
     async def drain() -> None:
         await server.set_serving(False)
+        # NOTE: registered until the drain ends. Its Info says "draining" at
+        # once, so the gateway sends it nothing new; a registration gone
+        # missing would make the gateway move its streams before --grace.
+        await worker.drain(args.grace)
         if registration is not None:
             await registration.stop()
-        await worker.drain(args.grace)
         await server.stop(grace=1.0)
         await worker.close()
         if metrics_server is not None:

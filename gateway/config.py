@@ -15,6 +15,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.tool_parsers import PARSERS
 from rpc.lease import DEFAULT_LEASE_MS
 
 TRANSPORTS = ("grpc", "torch")
@@ -62,11 +63,16 @@ class GatewayConfig:
     max_stop: int = _opt(16, "most stop strings plus stop token ids in one request")
     max_stop_chars: int = _opt(1024, "longest stop string, in characters")
     tokenizer_threads: int = _opt(2, "threads that tokenize off the event loop")
+    tool_call_parser: str = _opt("hermes", "how tool calls are found in the model's text under "
+                                           "tool_choice 'auto'", choices=PARSERS)
     extra: dict = _opt({}, cli=False)
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be 'grpc' or 'torch', got {self.transport!r}")
+        if self.tool_call_parser not in PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {PARSERS}, "
+                             f"got {self.tool_call_parser!r}")
         for name in ("max_active_requests", "max_body_bytes", "max_n", "max_prompts",
                      "max_messages", "max_stop", "max_stop_chars", "tokenizer_threads"):
             if getattr(self, name) < 1:

@@ -19,6 +19,8 @@ KNOWN_FLAGS = {
     # Request limits.
     "--max-body-bytes", "--max-n", "--max-prompts", "--max-messages", "--max-stop",
     "--max-stop-chars", "--tokenizer-threads",
+    # Tool calling.
+    "--tool-call-parser",
 }
 
 

@@ -219,7 +219,7 @@ def _chat_tools(service: GatewayService, body: ChatCompletionRequest):
     tools = parse_tools(body.tools)
     choice = parse_tool_choice(body.tool_choice, tools)
     constraint = constraint_of(body)
-    schema = tool_constraint(choice, tools)
+    schema = tool_constraint(choice, tools, body.parallel_tool_calls is not False)
     if schema is not None:
         if constraint is not None:
             raise InvalidField("tool_choice", f"tool_choice {choice.mode!r} holds the output to "

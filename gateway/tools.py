@@ -83,8 +83,10 @@ def parse_tool_choice(raw: Any, tools: list[Tool]) -> ToolChoice:
     return ToolChoice("named", name)
 
 
-def tool_constraint(choice: ToolChoice, tools: list[Tool]) -> dict[str, Any] | None:
-    """The JSON Schema the output is held to, or None (free text)."""
+def tool_constraint(choice: ToolChoice, tools: list[Tool],
+                    parallel: bool = True) -> dict[str, Any] | None:
+    """The JSON Schema the output is held to, or None (free text).
+    ``parallel=False`` (OpenAI's parallel_tool_calls): at most one call."""
     if choice.mode == "named":
         return next(t.parameters for t in tools if t.name == choice.name)
     if choice.mode != "required":
@@ -93,8 +95,11 @@ def tool_constraint(choice: ToolChoice, tools: list[Tool]) -> dict[str, Any] | N
                                                "parameters": t.parameters},
               "required": ["name", "parameters"], "additionalProperties": False}
              for t in tools]
-    return {"type": "array", "minItems": 1,
-            "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+    schema = {"type": "array", "minItems": 1,
+              "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
 
 
 def chat_messages(messages: list[Any], tools: list[Tool], choice: ToolChoice,

@@ -204,3 +204,25 @@ def test_forced_tool_calls_parse_streamed_and_not(gateway, workers, choice):
     assert max(len(p) for p in pieces.values()) > 2  # incremental, not one piece
     assert streamed[-1].choices[0].finish_reason == "tool_calls"
     wait_blocks_free([w for w in workers if w.proc.alive])
+
+
+def test_auto_tool_calls_found_by_the_hermes_parser(gateway, workers):
+    """tool_choice auto: the gateway's parser (hermes, the default) finds the
+    call in the text. A grammar makes the tiny model write one."""
+    forced = ('Sure\\.\\n<tool_call>\\n\\{"name": "get_time", "arguments": '
+              '\\{"zone": "[a-z]{3}"\\}\\}\\n</tool_call>')
+    chat = {"model": SERVED, "messages": [{"role": "user", "content": "time?"}],
+            "tools": [WEATHER, TIME], "max_tokens": 80, **GREEDY,
+            "extra_body": {"structured_outputs": {"regex": forced}}}
+    with gateway.client() as client:
+        out = client.chat.completions.create(**chat).choices[0]
+        streamed = list(client.chat.completions.create(**chat, stream=True))
+    assert out.finish_reason == "tool_calls" and out.message.content == "Sure."
+    (call,) = out.message.tool_calls
+    assert call.function.name == "get_time"
+    jsonschema.validate(json.loads(call.function.arguments), TIME["function"]["parameters"])
+    content = "".join(c.choices[0].delta.content or "" for c in streamed)
+    arguments = "".join(d.function.arguments or "" for c in streamed
+                        for d in c.choices[0].delta.tool_calls or [])
+    assert content.strip() == "Sure." and arguments == call.function.arguments
+    wait_blocks_free([w for w in workers if w.proc.alive])

@@ -111,12 +111,39 @@ def bench_xgrammar(tokenizer_path: str, tokens: list[int], batch: int, threads: 
           f"advance {_stats(advance)}")
 
 
+def bench_apply(batch: int, vocab: int, reps: int = 50) -> None:
+    """Tandem's side of a step: unpack the bitmask to [batch, vocab] bools and
+    mask the float32 logits with it (engine/structured_output/matchers.py)."""
+    import torch
+
+    from engine.structured_output.matchers import bitmask_to_bool
+
+    mask = np.random.default_rng(0).integers(-2**31, 2**31 - 1, (batch, (vocab + 31) // 32),
+                                             dtype=np.int64).astype(np.int32)
+    logits = torch.randn(batch, vocab)
+    unpack, fill = [], []
+    for _ in range(reps):
+        a = time.perf_counter()
+        allowed = bitmask_to_bool(mask, vocab)
+        b = time.perf_counter()
+        logits.masked_fill(~allowed, float("-inf"))
+        unpack.append(b - a)
+        fill.append(time.perf_counter() - b)
+    print(f"apply       batch {batch:2d} ({torch.get_num_threads()} torch threads): "
+          f"unpack {_stats(unpack)}; masked_fill {_stats(fill)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--libs", nargs="+", default=["llguidance", "xgrammar"])
+    parser.add_argument("--torch-threads", type=int, default=None)
     args = parser.parse_args()
+    if args.torch_threads:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
     path = str(resolve_model_dir(None) / "tokenizer.json")
     from tokenizers import Tokenizer
 
@@ -124,6 +151,7 @@ def main() -> None:
     tokens = Tokenizer.from_file(path).encode(text, add_special_tokens=False).ids
     print(f"document: {len(tokens)} tokens; threads {args.threads}; np {np.__version__}")
     for batch in args.batch:
+        bench_apply(batch, 49152)
         for lib in args.libs:
             fn = bench_llguidance if lib == "llguidance" else bench_xgrammar
             fn(path, tokens, batch, args.threads)

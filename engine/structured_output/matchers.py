@@ -37,6 +37,14 @@ logger = logging.getLogger("engine")
 CACHED_GRAMMARS = 128
 
 
+def bitmask_to_bool(mask: np.ndarray, vocab_size: int) -> torch.Tensor:
+    """[rows, words] int32 bitmask (bit j of word w: token 32w + j) as a
+    [rows, vocab_size] bool tensor. NOTE: numpy's unpackbits, not torch
+    shifts: one pass with no parallel region, ~1000x cheaper on a busy CPU."""
+    bits = np.unpackbits(mask.view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
+    return torch.from_numpy(bits.view(np.bool_))
+
+
 class GrammarCache:
     """Compiled grammars per spec for one tokenizer: a pristine matcher each,
     copied for every request (a copy costs far less than compiling)."""
@@ -74,7 +82,6 @@ class GrammarMatchers:
         self._matchers: dict[str, Any] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._executor: Any = None
-        self._shifts = torch.arange(32, dtype=torch.int32)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._matchers
@@ -127,8 +134,7 @@ class GrammarMatchers:
         if pending is None:
             return None, set()
         mask, dead = pending.result()
-        bits = torch.from_numpy(mask)  # [rows, words] int32, bit j of word w: token 32w + j
-        allowed = ((bits[:, :, None] >> self._shifts) & 1).bool().flatten(1)[:, : self.vocab_size]
+        allowed = bitmask_to_bool(mask, self.vocab_size)
         allowed[dead] = True
         return allowed, set(dead)
 

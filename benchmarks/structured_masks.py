@@ -116,7 +116,7 @@ def bench_apply(batch: int, vocab: int, reps: int = 50) -> None:
     mask the float32 logits with it (engine/structured_output/matchers.py)."""
     import torch
 
-    from engine.structured_output.matchers import bitmask_to_bool
+    from engine.structured_output.matchers import banned_tokens
 
     mask = np.random.default_rng(0).integers(-2**31, 2**31 - 1, (batch, (vocab + 31) // 32),
                                              dtype=np.int64).astype(np.int32)
@@ -124,9 +124,9 @@ def bench_apply(batch: int, vocab: int, reps: int = 50) -> None:
     unpack, fill = [], []
     for _ in range(reps):
         a = time.perf_counter()
-        allowed = bitmask_to_bool(mask, vocab)
+        banned = banned_tokens(mask, vocab)
         b = time.perf_counter()
-        logits.masked_fill(~allowed, float("-inf"))
+        logits.masked_fill(banned, float("-inf"))
         unpack.append(b - a)
         fill.append(time.perf_counter() - b)
     print(f"apply       batch {batch:2d} ({torch.get_num_threads()} torch threads): "

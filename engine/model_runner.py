@@ -201,8 +201,8 @@ class ModelRunner:
                 sampling, [self._generator(r) for r in sampling],
                 self.model_cfg.vocab_size, self.device,
             )
-            allowed, dead_rows = self.grammars.allowed(masks)
-            batch_params.allowed = None if allowed is None else allowed.to(self.device)
+            banned, dead_rows = self.grammars.banned(masks)
+            batch_params.banned = None if banned is None else banned.to(self.device)
             sampled = sample(logits.pop(0), batch_params)
             for row, (state, token, lp) in enumerate(
                     zip(sampling, sampled.token_ids, sampled.logprobs)):

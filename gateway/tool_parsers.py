@@ -18,13 +18,12 @@ function's arguments as the whole text, or ``required``'s JSON array.
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass, field
 
+from gateway.partial_json import as_object, scan_call, value_end, without_partial_tag
+
 PARSERS = ("hermes", "llama3_json")
-# {"name": "<name>", "arguments" or "parameters": <value...>
-_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 
 
 @dataclass
@@ -42,10 +41,10 @@ class Hermes:
     def seen(self, text: str) -> Seen:
         at = text.find(self.OPEN)
         if at < 0:
-            return Seen(_without_partial_tag(text, self.OPEN))
+            return Seen(without_partial_tag(text, self.OPEN))
         out = Seen(text[:at], is_calls=True)
         while at >= 0:
-            call = _scan_call(text, at + len(self.OPEN))
+            call = scan_call(text, at + len(self.OPEN))
             if call is None:
                 break
             out.calls.append(call[:3])
@@ -56,7 +55,7 @@ class Hermes:
 
     @staticmethod
     def render_call(name: str, arguments: dict | str) -> str:
-        return f"\n<tool_call>\n{json.dumps({'name': name, 'arguments': _obj(arguments)})}" \
+        return f"\n<tool_call>\n{json.dumps({'name': name, 'arguments': as_object(arguments)})}" \
                "\n</tool_call>"
 
     @staticmethod
@@ -82,7 +81,7 @@ class Llama3Json:
             return Seen(text)
         out, pos = Seen(is_calls=True), 0
         while True:
-            call = _scan_call(body, pos)
+            call = scan_call(body, pos)
             if call is None:
                 return out
             out.calls.append(call[:3])
@@ -95,7 +94,7 @@ class Llama3Json:
 
     @staticmethod
     def render_call(name: str, arguments: dict | str) -> str:
-        return json.dumps({"name": name, "parameters": _obj(arguments)})
+        return json.dumps({"name": name, "parameters": as_object(arguments)})
 
     @staticmethod
     def render_result(content: str) -> str:
@@ -116,7 +115,7 @@ class Named:
         self.name = name
 
     def seen(self, text: str) -> Seen:
-        return Seen(calls=[(self.name, text, _value_end(text, 0) is not None)], is_calls=True)
+        return Seen(calls=[(self.name, text, value_end(text, 0) is not None)], is_calls=True)
 
 
 class Required:
@@ -126,7 +125,7 @@ class Required:
         out = Seen(is_calls=True)
         pos = text.find("[") + 1
         while pos > 0:
-            call = _scan_call(text, pos)
+            call = scan_call(text, pos)
             if call is None:
                 break
             out.calls.append(call[:3])
@@ -203,64 +202,3 @@ class ToolCallStream:
                 self.args_sent[i] = len(args)
                 entries.append({"index": i, "function": {"arguments": piece}})
         return delta, entries
-
-
-def _scan_call(text: str, pos: int) -> tuple[str, str, bool, int | None] | None:
-    """The call object starting at ``pos`` (after whitespace): (name, its
-    arguments text so far, whether they are complete, the index after the
-    object or None while it is open). None while even the name is unread."""
-    m = _HEAD.match(text, pos)
-    if m is None:
-        return None
-    try:
-        name = json.loads(f'"{m.group(1)}"')
-    except ValueError:
-        return None
-    end = _value_end(text, m.end())
-    if end is None:
-        return name, text[m.end():], False, None
-    close = text.find("}", end)
-    return name, text[m.end():end], True, (close + 1 if close >= 0 else None)
-
-
-def _value_end(text: str, pos: int) -> int | None:
-    """The index just after the JSON object or array starting at ``pos``
-    (after whitespace), or None while it is still open."""
-    depth, in_string, escaped = 0, False, False
-    for i in range(pos, len(text)):
-        ch = text[i]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "{[":
-            depth += 1
-        elif ch in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-        elif depth == 0 and not ch.isspace():
-            return None  # not an object: never complete as arguments
-    return None
-
-
-def _without_partial_tag(text: str, tag: str) -> str:
-    """``text`` less a tail that may be the start of ``tag`` (held back)."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return text[:-k]
-    return text
-
-
-def _obj(arguments: dict | str) -> dict | str:
-    if isinstance(arguments, str):
-        try:
-            return json.loads(arguments)
-        except ValueError:
-            return arguments
-    return arguments

@@ -113,7 +113,7 @@ def test_smollm2_twenty_schemas_in_one_batch(tmp_path_factory):
     tok = llm.get_tokenizer()
     prompts = [tok.apply_chat_template([{"role": "user", "content": f"Give {what} as JSON."}])
                for what, _ in SCHEMAS]
-    params = [SamplingParams(temperature=0, max_tokens=200, structured_outputs={"json": s})
+    params = [SamplingParams(temperature=0, max_tokens=100, structured_outputs={"json": s})
               for _, s in SCHEMAS]
     outs = llm.generate(prompts, params, use_tqdm=False)
     for (what, schema), out in zip(SCHEMAS, outs):

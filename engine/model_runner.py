@@ -206,10 +206,11 @@ class ModelRunner:
             sampled = sample(logits.pop(0), batch_params)
             for row, (state, token, lp) in enumerate(
                     zip(sampling, sampled.token_ids, sampled.logprobs)):
-                if row in dead_rows:  # its grammar allows no token: no token, it ends
+                # Its grammar allows no token (or not the one sampled, which only
+                # min_tokens' EOS ban can force): no token, it ends.
+                if row in dead_rows or not self.grammars.accept(state.request_id, token):
                     result.grammar_dead_ends.append(state.request_id)
                     continue
-                self.grammars.accept(state.request_id, token)
                 state.token_ids.append(token)
                 result.sampled[state.request_id] = token
                 if lp is not None:

@@ -103,6 +103,16 @@ def test_dead_end_ends_the_request(tiny):
     assert_all_free(tiny)
 
 
+def test_min_tokens_past_the_grammar_is_a_dead_end_not_a_stray_token(tiny):
+    """The grammar is complete after "ab" and allows only EOS, which
+    min_tokens bans: nothing can follow, so it ends there."""
+    tiny.add_request("short", PROMPT, SamplingParams(
+        temperature=0, max_tokens=10, min_tokens=5, structured_outputs={"choice": ["ab"]}))
+    out = run_to_completion(tiny)["short"].outputs[0]
+    assert (out.text, out.finish_reason) == ("ab", "grammar_dead_end")
+    assert_all_free(tiny)
+
+
 @pytest.mark.slow
 def test_smollm2_twenty_schemas_in_one_batch(tmp_path_factory):
     from tandem import LLM

@@ -139,11 +139,11 @@ class GrammarMatchers:
         banned[dead] = False
         return banned, set(dead)
 
-    def accept(self, request_id: str, token: int) -> None:
+    def accept(self, request_id: str, token: int) -> bool:
+        """Advance the request's matcher by ``token``; False (and the matcher
+        in error) when the grammar does not allow it. True when unconstrained."""
         matcher = self._matchers.get(request_id)
-        if matcher is not None and not matcher.consume_token(token):
-            logger.warning("request %s: token %d broke its grammar: %s", request_id, token,
-                           matcher.get_error())
+        return matcher is None or matcher.consume_token(token)
 
     def _cache(self, eos_token_ids: tuple[int, ...]) -> GrammarCache:
         if self.cache is None:

@@ -226,3 +226,28 @@ def test_auto_tool_calls_found_by_the_hermes_parser(gateway, workers):
                         for d in c.choices[0].delta.tool_calls or [])
     assert content.strip() == "Sure." and arguments == call.function.arguments
     wait_blocks_free([w for w in workers if w.proc.alive])
+
+
+def test_grpc_generate_takes_the_constraint(gateway, offline):
+    """The public gRPC API carries the same spec; a bad one is INVALID_ARGUMENT."""
+    import grpc
+
+    from rpc.protos import common_pb2, generation_pb2
+
+    def generate(request_id: str, kind: str, value: str) -> str:
+        params = common_pb2.SamplingParams(
+            max_tokens=40, temperature=0.0,
+            structured_outputs=common_pb2.StructuredOutputs(kind=kind, value=value))
+        request = generation_pb2.GenerateRequest(request_id=request_id, text=PROMPT,
+                                                 params=params)
+        return "".join(r.text for r in stub.Generate(request, timeout=60))
+
+    channel, stub = gateway.generation_stub()
+    with channel:
+        text = generate("grpc-regex", "regex", "[a-f]{3}-[0-9]{4}")
+        with pytest.raises(grpc.RpcError) as err:
+            generate("grpc-bad", "regex", "a(b")
+    assert text == _offline_text(offline, {"guided_regex": "[a-f]{3}-[0-9]{4}"}, 40,
+                                 temperature=0)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "structured_outputs.regex" in err.value.details()

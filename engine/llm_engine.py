@@ -264,6 +264,8 @@ class LLMEngine:
         knows: whether its cache can ever hold the request)."""
         check_request(token_ids, params, self.model_config, self.max_model_len,
                       self.config.scheduler.max_n)
+        if params.structured_outputs is not None and self.tokenizer is None:
+            raise ValueError("structured_outputs need the model's tokenizer (tokenizer.json)")
         total = len(token_ids) + params.max_tokens
         needed = self.kv.num_blocks_for(total)
         if needed > self.runner.num_blocks:

@@ -23,6 +23,7 @@ from engine.parallel.followers import Followers
 from engine.parallel.sharded_kv import ShardedKVBlocks
 from engine.sampler import SamplingBatch, sample
 from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from engine.structured_output.matchers import GrammarMatchers
 
 logger = logging.getLogger("engine")
 
@@ -75,6 +76,9 @@ class ModelRunner:
         self.input_batch = InputBatch(config.scheduler.max_num_seqs, max_model_len,
                                       self.block_size)
         self.decode_graphs = self._decode_graphs(max_model_len)
+        tokenizer = model_dir / "tokenizer.json"
+        self.grammars = GrammarMatchers(tokenizer if tokenizer.is_file() else None,
+                                        model_cfg.vocab_size)
 
     def _decode_graphs(self, max_model_len: int) -> DecodeGraphs | None:
         # NOTE: with tensor parallelism every rank would have to record and
@@ -134,6 +138,7 @@ class ModelRunner:
 
     def shutdown(self) -> None:
         """Stop the follower ranks and leave the group. Idempotent."""
+        self.grammars.shutdown()
         followers, self.followers = self.followers, None
         if followers is None:
             return
@@ -162,6 +167,7 @@ class ModelRunner:
 
     def _execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self.input_batch.update(out)
+        self.grammars.update(out)
         result = ModelRunnerOutput()
         if not out.scheduled:
             return result
@@ -175,6 +181,8 @@ class ModelRunner:
         # followers join, so they get the same list.
         calls = [[row for _, row in rows.sampled]] if sampling else []
         calls += [list(range(p.row_lo, p.row_hi)) for p in prompts]
+        # Grammar masks of constrained rows, computed while the forward runs.
+        masks = self.grammars.start([state.request_id for state in sampling])
         if self.followers is not None:
             with self.tp.command():  # the followers run the same forward and logits
                 self.followers.send(("forward", batch, calls))
@@ -193,8 +201,16 @@ class ModelRunner:
                 sampling, [self._generator(r) for r in sampling],
                 self.model_cfg.vocab_size, self.device,
             )
+            banned, dead_rows = self.grammars.banned(masks)
+            batch_params.banned = None if banned is None else banned.to(self.device)
             sampled = sample(logits.pop(0), batch_params)
-            for state, token, lp in zip(sampling, sampled.token_ids, sampled.logprobs):
+            for row, (state, token, lp) in enumerate(
+                    zip(sampling, sampled.token_ids, sampled.logprobs)):
+                # Its grammar allows no token (or not the one sampled, which only
+                # min_tokens' EOS ban can force): no token, it ends.
+                if row in dead_rows or not self.grammars.accept(state.request_id, token):
+                    result.grammar_dead_ends.append(state.request_id)
+                    continue
                 state.token_ids.append(token)
                 result.sampled[state.request_id] = token
                 if lp is not None:

@@ -24,6 +24,8 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    # Structured outputs: the grammar allowed no next token.
+    FINISHED_GRAMMAR = "grammar_dead_end"
 
     @property
     def finished(self) -> bool:
@@ -31,6 +33,7 @@ class RequestStatus(enum.Enum):
             RequestStatus.FINISHED_STOPPED,
             RequestStatus.FINISHED_LENGTH,
             RequestStatus.FINISHED_ABORTED,
+            RequestStatus.FINISHED_GRAMMAR,
         )
 
 

@@ -27,6 +27,8 @@ class SamplingBatch:
     generators: list[torch.Generator | None]
     requests: list[Request]
     max_logprobs: int  # top-N logprobs wanted by any row, -1 for none
+    # [B, vocab] bool: tokens each row's grammar forbids (structured outputs); None: none.
+    banned: torch.Tensor | None = None
 
     @classmethod
     def prepare(
@@ -69,6 +71,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     logits = logits.float()
     raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_logprobs >= 0 else None
     logits = _apply_penalties_and_bans(logits, batch.requests)
+    if batch.banned is not None:
+        logits = logits.masked_fill(batch.banned, float("-inf"))
 
     if batch.all_greedy:
         tokens = logits.argmax(dim=-1)

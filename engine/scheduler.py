@@ -153,13 +153,16 @@ class Scheduler:
         """Advance progress after the model ran; append sampled tokens (and
         logprobs); finish requests that hit a stop condition. Returns the
         requests that changed (got a token or finished)."""
-        changed = []
+        changed, dead_ends = [], []
         for request_id, entries in result.prompt_logprobs.items():
             self.requests[request_id].prompt_logprobs.extend(entries)
         for s in out.scheduled:
             request = self.requests[s.request_id]
             request.num_computed_tokens = s.end
             if not s.sample:
+                continue
+            if request.request_id in result.grammar_dead_ends:  # no token: it ends (below)
+                dead_ends.append(request)
                 continue
             token = result.sampled[request.request_id]
             request.append_token(token)
@@ -178,6 +181,9 @@ class Scheduler:
             self.running = [r for r in self.running if not r.finished]
             for request in finished:
                 self._release(request)
+        for request in dead_ends:  # structured outputs: the grammar allowed no token
+            self.finish(request.request_id, RequestStatus.FINISHED_GRAMMAR)
+            changed.append(request)
         return changed
 
     # ---- finishing ---------------------------------------------------------

@@ -87,3 +87,5 @@ class ModelRunnerOutput:
     logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
     # Prompt logprobs computed in this step, appended to what the request has.
     prompt_logprobs: dict[str, list[dict[int, float] | None]] = field(default_factory=dict)
+    # Sampled rows whose grammar allowed no token: no token, they finish (structured outputs).
+    grammar_dead_ends: list[str] = field(default_factory=list)

@@ -45,11 +45,13 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
-    def encode_chat(self, messages: list[dict[str, Any]],
-                    add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
         """A conversation as the model's prompt: its chat template applied,
-        then encoded (the template writes the special tokens itself)."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt),
+        then encoded (the template writes the special tokens itself).
+        ``tools``: OpenAI tool definitions, given to the template as ``tools``."""
+        extra = {} if tools is None else {"tools": tools}
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **extra),
                            add_special_tokens=False)
 
     def apply_chat_template(

@@ -15,6 +15,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.tool_parsers import PARSERS
 from rpc.lease import DEFAULT_LEASE_MS
 from rpc.tls import TLSConfig, add_tls_arguments, tls_from_args
 
@@ -73,6 +74,8 @@ class GatewayConfig:
         None, "CA that REST and gRPC callers' certificates must be signed by (then "
               "required); default none: API keys authenticate callers",
         env="TANDEM_TLS_CLIENT_CA_FILE")
+    tool_call_parser: str = _opt("hermes", "how tool calls are found in the model's text under "
+                                           "tool_choice 'auto'", choices=PARSERS)
     extra: dict = _opt({}, cli=False)
 
     def __post_init__(self) -> None:
@@ -90,6 +93,9 @@ class GatewayConfig:
             if not os.path.isfile(self.tls_client_ca_file):
                 raise ValueError(f"--tls-client-ca-file: no such file "
                                  f"{self.tls_client_ca_file!r}")
+        if self.tool_call_parser not in PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {PARSERS}, "
+                             f"got {self.tool_call_parser!r}")
         for name in ("max_active_requests", "max_body_bytes", "max_n", "max_prompts",
                      "max_messages", "max_stop", "max_stop_chars", "tokenizer_threads"):
             if getattr(self, name) < 1:

@@ -28,6 +28,9 @@ from gateway.openai_render import ChatRenderer, CompletionRenderer
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.sequence import Chunk
 from gateway.service import GatewayService, ModelNotFound, request_span
+from gateway.structured import InvalidField, build, constraint_of
+from gateway.tool_parsers import Named, Required, make_parser
+from gateway.tools import chat_messages, parse_tool_choice, parse_tools, tool_constraint
 from rpc.errors import Draining, Overloaded, TandemError, Unavailable
 from rpc.tracing import context_from_headers, end_span, tracer
 
@@ -78,8 +81,9 @@ def error_response(exc: BaseException) -> JSONResponse:
     if isinstance(exc, ModelNotFound):
         return JSONResponse(error_body(str(exc), "invalid_request_error", "model_not_found",
                                        "model"), 404)
-    if isinstance(exc, ValueError):
-        return JSONResponse(error_body(str(exc), "invalid_request_error"), 400)
+    if isinstance(exc, ValueError):  # InvalidField names the field
+        return JSONResponse(error_body(str(exc), "invalid_request_error", None,
+                                       getattr(exc, "param", None)), 400)
     if isinstance(exc, TandemError):
         return JSONResponse(error_body(str(exc), "server_error"), 502)
     return JSONResponse(error_body("internal error", "server_error"), 500)
@@ -185,9 +189,10 @@ def build_app(service: GatewayService) -> FastAPI:
                              f"request, got {len(prompts)}")
         with _child(span, "gateway.tokenize"):
             token_lists = [await service.off_loop(service.tokenize_prompt, p) for p in prompts]
+        constraint = constraint_of(body)
         params = [body.sampling(
             body.max_tokens if body.max_tokens is not None else service.default_max_tokens(t),
-            body.logprobs) for t in token_lists]
+            body.logprobs, structured_outputs=constraint) for t in token_lists]
         for t, p in zip(token_lists, params):
             service.check_request(t, p)
         rid = f"cmpl-{uuid.uuid4().hex}"
@@ -201,15 +206,15 @@ def build_app(service: GatewayService) -> FastAPI:
 
     async def _chat(body: ChatCompletionRequest, span):
         service.check_model(body.model)
-        if body.tools or body.logit_bias:
-            raise ValueError("tools and logit_bias are not supported")
+        if body.logit_bias:
+            raise ValueError("logit_bias is not supported")
         if len(body.messages) > service.config.max_messages:
             raise ValueError(f"at most {service.config.max_messages} messages are allowed, "
                              f"got {len(body.messages)}")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        constraint, tool_parser, messages, tools = _chat_tools(service, body)
         with _child(span, "gateway.tokenize"):
             tokens = await service.off_loop(service.tokenize_chat, messages,
-                                            body.add_generation_prompt)
+                                            body.add_generation_prompt, tools)
         # NOTE: not `or`: an explicit 0 is invalid (400), not "unset".
         max_tokens = (body.max_completion_tokens if body.max_completion_tokens is not None
                       else body.max_tokens)
@@ -218,13 +223,33 @@ def build_app(service: GatewayService) -> FastAPI:
         top = body.top_logprobs if body.logprobs else None
         if body.logprobs and top is None:
             top = 0
-        params = body.sampling(max_tokens, top)
+        params = body.sampling(max_tokens, top, structured_outputs=constraint)
         service.check_request(tokens, params)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        render = ChatRenderer(service, rid, params.n, top or 0)
+        render = ChatRenderer(service, rid, params.n, top or 0, tool_parser)
         return await _answer(render, _merge(service, rid, [tokens], [params], span), body)
 
     return app
+
+
+def _chat_tools(service: GatewayService, body: ChatCompletionRequest):
+    """(output constraint, tool-call parser or None, messages and tools for
+    the chat template) of a chat request; InvalidField before any compute."""
+    tools = parse_tools(body.tools)
+    choice = parse_tool_choice(body.tool_choice, tools)
+    constraint = constraint_of(body)
+    schema = tool_constraint(choice, tools, body.parallel_tool_calls is not False)
+    if schema is not None:
+        if constraint is not None:
+            raise InvalidField("tool_choice", f"tool_choice {choice.mode!r} holds the output to "
+                                              "the tools' schemas: give no response_format")
+        constraint = build("tool_choice", {"json": schema})
+    parser = make_parser(service.config.tool_call_parser)
+    template = service.tokenizer.chat_template or ""
+    messages, shown = chat_messages(body.messages, tools, choice, template, parser)
+    found = {"none": None, "auto": parser, "required": Required()}.get(choice.mode) \
+        if choice.mode != "named" else Named(choice.name or "")
+    return constraint, found, messages, shown
 
 
 # What a caller needs a key for (when keys are set): the API, the metrics,

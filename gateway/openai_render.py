@@ -9,6 +9,7 @@ from typing import Any
 
 from gateway.sequence import Chunk
 from gateway.service import GatewayService
+from gateway.tool_parsers import ToolCallStream, finished_calls
 
 
 class Renderer:
@@ -114,9 +115,11 @@ class CompletionRenderer(Renderer):
 
 
 class ChatRenderer(Renderer):
-    def __init__(self, service, rid, n: int, top_n: int) -> None:
+    def __init__(self, service, rid, n: int, top_n: int, tool_parser=None) -> None:
         super().__init__(service, rid, n)
         self.top_n = top_n
+        # Finds tool calls in each choice's text (gateway/tool_parsers.py); None: no tools.
+        self.tool_parser = tool_parser
 
     def _logprobs(self, chunk: Chunk) -> dict | None:
         if not chunk.logprobs:
@@ -135,17 +138,28 @@ class ChatRenderer(Renderer):
 
     async def stream(self, first, merged, include_usage: bool) -> AsyncIterator[dict]:
         started: set[int] = set()
+        tools: dict[int, tuple[ToolCallStream, list[str]]] = {}
         async for p, chunk in self._all(first, merged):
             self._account(p, chunk)
             delta: dict[str, Any] = {}
             if chunk.index not in started:
                 started.add(chunk.index)
                 delta["role"] = "assistant"
-            if chunk.text or not delta:
-                delta["content"] = chunk.text
+            text, reason = chunk.text, chunk.finish_reason
+            if self.tool_parser is not None:
+                calls, texts = tools.setdefault(chunk.index,
+                                                (ToolCallStream(self.tool_parser), []))
+                texts.append(chunk.text)
+                text, entries = calls.feed("".join(texts), final=bool(reason))
+                if entries:
+                    delta["tool_calls"] = entries
+                if reason == "stop" and calls.called:
+                    reason = "tool_calls"
+            if text or not delta:
+                delta["content"] = text
             yield self._envelope([{
                 "index": chunk.index, "delta": delta, "logprobs": self._logprobs(chunk),
-                "finish_reason": chunk.finish_reason,
+                "finish_reason": reason,
             }], "chat.completion.chunk")
         if include_usage:
             yield {**self._envelope([], "chat.completion.chunk"), "usage": self.usage()}
@@ -160,4 +174,12 @@ class ChatRenderer(Renderer):
             })
             c["message"]["content"] += chunk.text
             self._extend(c, self._logprobs(chunk), chunk.finish_reason)
+        if self.tool_parser is not None:
+            for c in choices.values():
+                message = c["message"]
+                message["content"], calls = finished_calls(self.tool_parser, message["content"])
+                if calls:
+                    message["tool_calls"] = calls
+                    if c["finish_reason"] == "stop":
+                        c["finish_reason"] = "tool_calls"
         return self._collected(choices, "chat.completion")

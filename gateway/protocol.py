@@ -11,6 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine.sampling_params import SamplingParams
+from engine.structured_output import StructuredOutputsParams
 
 
 class StreamOptions(BaseModel):
@@ -40,9 +41,17 @@ class _Common(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Output constraints (gateway/structured.py): OpenAI's, vLLM's newer and older fields.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def sampling(self, max_tokens: int, logprobs: int | None,
-                 prompt_logprobs: int | None = None) -> SamplingParams:
+                 prompt_logprobs: int | None = None,
+                 structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         """Raises ValueError with the same messages as the Python API."""
         return SamplingParams(
             n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens,
@@ -54,7 +63,7 @@ class _Common(BaseModel):
             stop_token_ids=list(self.stop_token_ids or []),
             include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-            skip_special_tokens=self.skip_special_tokens,
+            skip_special_tokens=self.skip_special_tokens, structured_outputs=structured_outputs,
         )
 
     @property
@@ -78,6 +87,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool result: the call it answers
 
     def text(self) -> str:
         """Plain text content; a list of parts must be text parts only."""
@@ -100,6 +111,7 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     logit_bias: dict[str, float] | None = None
     add_generation_prompt: bool = True

@@ -102,8 +102,9 @@ class GatewayService:
             return self.tokenizer.encode(prompt)
         return list(prompt)  # checked against the vocabulary by check_request
 
-    def tokenize_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        return self.tokenizer.encode_chat(messages, add_generation_prompt)
+    def tokenize_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                      tools: list[dict] | None = None) -> list[int]:
+        return self.tokenizer.encode_chat(messages, add_generation_prompt, tools)
 
     def default_max_tokens(self, prompt: list[int]) -> int:
         return max(1, self.max_model_len - len(prompt))

@@ -130,6 +130,9 @@ class PrefillWorker(WorkerBase):
                                  "queue_s": _queue_seconds(final)})
             computed = True
             comp = final.outputs[0]
+            if not comp.token_ids:  # structured outputs: the grammar allowed no first token
+                raise ValueError(f"request {request_id!r}: its grammar allows no first token "
+                                 f"(finish_reason {comp.finish_reason})")
             first_token = comp.token_ids[0]
             if transfer is None:
                 held = await self.aengine.run(lambda e: e.kv_progress(request_id))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from engine.sampling_params import SamplingParams
+from engine.structured_output.params import StructuredOutputsParams
 from rpc.protos import common_pb2
 
 
@@ -27,6 +28,9 @@ def params_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
         logprobs=p.logprobs if p.HasField("logprobs") else None,
         prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
         skip_special_tokens=p.skip_special_tokens if p.HasField("skip_special_tokens") else True,
+        structured_outputs=StructuredOutputsParams.from_wire(p.structured_outputs.kind,
+                                                             p.structured_outputs.value)
+        if p.HasField("structured_outputs") else None,
     )
 
 
@@ -45,6 +49,9 @@ def params_to_proto(s: SamplingParams) -> common_pb2.SamplingParams:
         p.logprobs = s.logprobs
     if s.prompt_logprobs is not None:
         p.prompt_logprobs = s.prompt_logprobs
+    if s.structured_outputs is not None:
+        kind, value = s.structured_outputs.to_wire()
+        p.structured_outputs.kind, p.structured_outputs.value = kind, value
     return p
 
 

@@ -8,13 +8,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
+from engine.structured_output import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from engine.outputs import CompletionOutput, RequestOutput
     from tandem.async_api import AsyncEngine
     from tandem.llm import LLM
 
-__all__ = ["LLM", "AsyncEngine", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "AsyncEngine", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
 
 
 def __getattr__(name: str):

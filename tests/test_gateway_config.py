@@ -21,6 +21,8 @@ KNOWN_FLAGS = {
     "--max-stop-chars", "--tokenizer-threads",
     # TLS (the --tls-* flags shared with workers are rpc/tls.py's, not fields here).
     "--tls-client-ca-file",
+    # Tool calling.
+    "--tool-call-parser",
 }
 
 

@@ -110,7 +110,7 @@ CHAT_CASES = {
     "bad_role": {"messages": [{"role": "wizard", "content": "hi"}]},
     "image_part": {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]},
-    "tools": {"tools": [{"type": "function", "function": {"name": "f"}}]},
+    "tools": {"tools": [{"type": "function", "function": {"description": "no name"}}]},
     "huge_n": {"n": 10000},
     "too_many_messages": {"messages": [{"role": "user", "content": "hi"}] * 1025},
 }

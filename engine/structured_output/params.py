@@ -1,0 +1,134 @@
+"""What a request's output must match: vLLM's ``StructuredOutputsParams``.
+
+Torch-free: the gateway builds and checks these too, so a bad schema or
+regex is a 400 before any compute. Each spec is turned into one grammar in
+llguidance's format (``grammar``), validated when the object is built; the
+runner compiles that grammar against its tokenizer (engine/structured_output/
+matchers.py). The spec, not the compiled grammar, is what crosses the wire.
+"""
+
+from __future__ import annotations
+
+import json as jsonlib
+from dataclasses import dataclass
+from typing import Any
+
+# NOTE: compact JSON (no free whitespace between tokens): a small model
+# given the freedom tends to fill max_tokens with newlines and spaces.
+_JSON_OPTIONS = {"whitespace_flexible": False}
+# Characters a Rust regex (llguidance's dialect) needs escaped to match themselves.
+_REGEX_META = set("\\.+*?()|[]{}^$#&-~")
+_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Exactly one constraint: ``json`` (a JSON Schema, as a dict or a JSON
+    string), ``regex``, ``choice`` (one of these strings), ``grammar`` (Lark,
+    or GBNF as llama.cpp writes it) or ``json_object=True`` (any JSON object).
+
+    ValueError at construction, naming the field, when the spec is invalid
+    or uses what the grammar engine does not support.
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            self.choice = list(self.choice)
+        given = [k for k in _KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs needs exactly one of json, regex, choice, "
+                             f"grammar, json_object; got {given or 'none'}")
+        # NOTE: a plain attribute, not a field: asdict() (the gateway's request
+        # record) and comparisons see the spec only.
+        self._compiled = _to_grammar(given[0], getattr(self, given[0]))
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in _KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def llg_grammar(self) -> str:
+        """The constraint as one llguidance grammar (validated)."""
+        return self._compiled
+
+    @property
+    def key(self) -> str:
+        """Equal for equal specs: what compiled grammars are cached by."""
+        return self._compiled
+
+    def to_wire(self) -> tuple[str, str]:
+        """(kind, value as text): what travels in the protobuf."""
+        kind = self.kind
+        value = getattr(self, kind)
+        if kind == "json" and not isinstance(value, str):
+            value = jsonlib.dumps(value)
+        elif kind == "choice":
+            value = jsonlib.dumps(value)
+        elif kind == "json_object":
+            value = ""
+        return kind, value
+
+    @classmethod
+    def from_wire(cls, kind: str, value: str) -> StructuredOutputsParams:
+        if kind not in _KINDS:
+            raise ValueError(f"structured_outputs: unknown kind {kind!r}")
+        if kind == "json_object":
+            return cls(json_object=True)
+        if kind == "choice":
+            return cls(choice=jsonlib.loads(value))
+        return cls(**{kind: value})
+
+
+def _to_grammar(kind: str, value: Any) -> str:
+    import llguidance
+
+    matcher = llguidance.LLMatcher
+    where = f"structured_outputs.{kind}"
+    if kind in ("json", "json_object"):
+        schema = {"type": "object"} if kind == "json_object" else _schema(value, where)
+        try:
+            grammar = matcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+    elif kind == "regex":
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"{where} must be a non-empty string")
+        grammar = matcher.grammar_from_regex(value)
+    elif kind == "choice":
+        if not value or not all(isinstance(c, str) and c for c in value):
+            raise ValueError(f"{where} must be a non-empty list of non-empty strings")
+        grammar = matcher.grammar_from_regex("|".join(_escape(c) for c in value))
+    else:
+        if not isinstance(value, str) or not value.strip():
+            raise ValueError(f"{where} must be a non-empty string")
+        from llguidance.gbnf_to_lark import any_to_lark
+
+        try:
+            grammar = matcher.grammar_from_lark(any_to_lark(value))
+        except Exception as exc:  # its GBNF converter raises its own error types
+            raise ValueError(f"{where}: {exc}") from None
+    error = matcher.validate_grammar(grammar)
+    if error:
+        raise ValueError(f"{where}: {error.strip()}")
+    return grammar
+
+
+def _schema(value: Any, where: str) -> dict[str, Any]:
+    if isinstance(value, str):
+        try:
+            value = jsonlib.loads(value)
+        except ValueError as exc:
+            raise ValueError(f"{where} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{where} must be a JSON Schema object")
+    return value
+
+
+def _escape(text: str) -> str:
+    return "".join("\\" + ch if ch in _REGEX_META else ch for ch in text)

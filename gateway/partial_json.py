@@ -1,0 +1,73 @@
+"""Reading tool-call JSON that may still be arriving: where a call object's
+name and arguments are, and whether they are complete yet. Plain string
+scanning (no parser that needs the whole document), so a streamed call's
+arguments can go out piece by piece."""
+
+from __future__ import annotations
+
+import json
+import re
+
+# {"name": "<name>", "arguments" or "parameters": <value...>
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+
+
+def scan_call(text: str, pos: int) -> tuple[str, str, bool, int | None] | None:
+    """The call object starting at ``pos`` (after whitespace): (name, its
+    arguments text so far, whether they are complete, the index after the
+    object or None while it is open). None while even the name is unread."""
+    m = _HEAD.match(text, pos)
+    if m is None:
+        return None
+    try:
+        name = json.loads(f'"{m.group(1)}"')
+    except ValueError:
+        return None
+    end = value_end(text, m.end())
+    if end is None:
+        return name, text[m.end():], False, None
+    close = text.find("}", end)
+    return name, text[m.end():end], True, (close + 1 if close >= 0 else None)
+
+
+def value_end(text: str, pos: int) -> int | None:
+    """The index just after the JSON object or array starting at ``pos``
+    (after whitespace), or None while it is still open."""
+    depth, in_string, escaped = 0, False, False
+    for i in range(pos, len(text)):
+        ch = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        elif depth == 0 and not ch.isspace():
+            return None  # not an object: never complete as arguments
+    return None
+
+
+def without_partial_tag(text: str, tag: str) -> str:
+    """``text`` less a tail that may be the start of ``tag`` (held back)."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return text[:-k]
+    return text
+
+
+def as_object(arguments: dict | str) -> dict | str:
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except ValueError:
+            return arguments
+    return arguments

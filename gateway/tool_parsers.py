@@ -1,0 +1,204 @@
+"""Finding tool calls in a model's text, whole or as it streams.
+
+Each parser reads the text generated so far and returns the content that is
+safe to show and the calls seen, each ``(name, arguments text so far,
+complete)``. Streaming sends what grew since the last look
+(``ToolCallStream``); a finished response reads the text once
+(``finished_calls``). Formats:
+
+  hermes       ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
+               (Hermes, Qwen2.5), content may come before the calls.
+  llama3_json  ``{"name": ..., "parameters": {...}}``, several separated by
+               ``;`` (Llama 3.1/3.2's JSON tool calling); the text is either
+               calls or content.
+And the grammar-held outputs of tool_choice (gateway/tools.py): a named
+function's arguments as the whole text, or ``required``'s JSON array.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+
+from gateway.partial_json import as_object, scan_call, value_end, without_partial_tag
+
+PARSERS = ("hermes", "llama3_json")
+
+
+@dataclass
+class Seen:
+    """What a parser found so far: content to show and calls."""
+
+    content: str = ""
+    calls: list[tuple[str, str, bool]] = field(default_factory=list)
+    is_calls: bool = False  # the text is (or starts) tool calls
+
+
+class Hermes:
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+    def seen(self, text: str) -> Seen:
+        at = text.find(self.OPEN)
+        if at < 0:
+            return Seen(without_partial_tag(text, self.OPEN))
+        out = Seen(text[:at], is_calls=True)
+        while at >= 0:
+            call = scan_call(text, at + len(self.OPEN))
+            if call is None:
+                break
+            out.calls.append(call[:3])
+            if call[3] is None:
+                break
+            at = text.find(self.OPEN, call[3])
+        return out
+
+    @staticmethod
+    def render_call(name: str, arguments: dict | str) -> str:
+        return f"\n<tool_call>\n{json.dumps({'name': name, 'arguments': as_object(arguments)})}" \
+               "\n</tool_call>"
+
+    @staticmethod
+    def render_result(content: str) -> str:
+        return f"<tool_response>\n{content}\n</tool_response>"
+
+    @staticmethod
+    def system_prompt(tools: list[dict]) -> str:
+        return ("You may call one or more functions to assist with the user query. The "
+                "functions you may call are given in <tools></tools>:\n<tools>\n"
+                + "\n".join(json.dumps(t) for t in tools) + "\n</tools>\nFor each call, write a "
+                'JSON object with the function name and arguments inside <tool_call></tool_call>'
+                ' tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-object>}\n'
+                "</tool_call>")
+
+
+class Llama3Json:
+    def seen(self, text: str) -> Seen:
+        body = text.lstrip().removeprefix("<|python_tag|>").lstrip()
+        if not body:
+            return Seen()
+        if not body.startswith("{"):
+            return Seen(text)
+        out, pos = Seen(is_calls=True), 0
+        while True:
+            call = scan_call(body, pos)
+            if call is None:
+                return out
+            out.calls.append(call[:3])
+            if call[3] is None:
+                return out
+            rest = body[call[3]:].lstrip()
+            if not rest.startswith(";"):
+                return out
+            pos = len(body) - len(rest) + 1
+
+    @staticmethod
+    def render_call(name: str, arguments: dict | str) -> str:
+        return json.dumps({"name": name, "parameters": as_object(arguments)})
+
+    @staticmethod
+    def render_result(content: str) -> str:
+        return content
+
+    @staticmethod
+    def system_prompt(tools: list[dict]) -> str:
+        return ("Given the following functions, respond with a JSON for a function call with "
+                'its proper arguments, in the format {"name": function name, "parameters": '
+                "dictionary of argument name and its value}. Do not use variables.\n\n"
+                + "\n\n".join(json.dumps(t) for t in tools))
+
+
+class Named:
+    """tool_choice naming a function: the whole (grammar-held) text is its arguments."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def seen(self, text: str) -> Seen:
+        return Seen(calls=[(self.name, text, value_end(text, 0) is not None)], is_calls=True)
+
+
+class Required:
+    """tool_choice "required": a (grammar-held) JSON array of calls."""
+
+    def seen(self, text: str) -> Seen:
+        out = Seen(is_calls=True)
+        pos = text.find("[") + 1
+        while pos > 0:
+            call = scan_call(text, pos)
+            if call is None:
+                break
+            out.calls.append(call[:3])
+            if call[3] is None:
+                break
+            rest = text[call[3]:].lstrip()
+            pos = len(text) - len(rest) + 1 if rest.startswith(",") else 0
+        return out
+
+
+def make_parser(name: str):
+    if name == "hermes":
+        return Hermes()
+    if name == "llama3_json":
+        return Llama3Json()
+    raise ValueError(f"tool call parser must be one of {PARSERS}, got {name!r}")
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def finished_calls(parser, text: str) -> tuple[str | None, list[dict]]:
+    """(content, tool_calls in OpenAI's shape) of a finished text. Calls whose
+    arguments do not parse are not calls: the text stays content then."""
+    seen = parser.seen(text)
+    calls = []
+    for name, args, complete in seen.calls:
+        try:
+            json.loads(args)
+        except ValueError:
+            complete = False
+        if not complete:
+            return (None if isinstance(parser, Named | Required) else text), []
+        calls.append({"id": new_call_id(), "type": "function",
+                      "function": {"name": name, "arguments": args}})
+    if not seen.is_calls:
+        return text, []
+    content = seen.content.strip() or None
+    return content, calls
+
+
+class ToolCallStream:
+    """Deltas of one streamed choice: ``feed`` the whole text so far, get the
+    content that grew and ``tool_calls`` delta entries (a call's id, type and
+    name once, then its arguments piece by piece)."""
+
+    def __init__(self, parser) -> None:
+        self.parser = parser
+        self.content_sent = 0
+        self.args_sent: list[int] = []
+        self.ids: list[str] = []
+
+    @property
+    def called(self) -> bool:
+        return bool(self.ids)
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, list[dict]]:
+        seen = self.parser.seen(text)
+        content = seen.content if not (final and not seen.is_calls) else text
+        delta = content[self.content_sent:]
+        self.content_sent = max(self.content_sent, len(content))
+        entries = []
+        for i, (name, args, complete) in enumerate(seen.calls):
+            if complete:
+                args = args.rstrip()
+            if i == len(self.ids):
+                self.ids.append(new_call_id())
+                self.args_sent.append(0)
+                entries.append({"index": i, "id": self.ids[i], "type": "function",
+                                "function": {"name": name, "arguments": ""}})
+            piece = args[self.args_sent[i]:]
+            if piece:
+                self.args_sent[i] = len(args)
+                entries.append({"index": i, "function": {"arguments": piece}})
+        return delta, entries

@@ -1,0 +1,99 @@
+"""Tool calls found in model text, whole and streamed piece by piece, and the
+messages a chat template without tool support gets. No model: plain text in,
+OpenAI-shaped calls out."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gateway.protocol import ChatMessage
+from gateway.tool_parsers import (
+    Hermes,
+    Llama3Json,
+    Named,
+    Required,
+    ToolCallStream,
+    finished_calls,
+)
+from gateway.tools import ToolChoice, chat_messages, parse_tools
+
+HERMES_TEXT = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": '
+               '{"city": "Paris", "note": "a } and a \\" inside"}}\n</tool_call>\n<tool_call>\n'
+               '{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>')
+LLAMA_TEXT = ('{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+              '{"name": "get_time", "parameters": {"zone": "CET"}}')
+REQUIRED_TEXT = ('[{"name":"get_weather","parameters":{"city":"Paris","tags":["a","b"]}},'
+                 '{"name":"get_time","parameters":{"zone":"CET"}}]')
+CALLS = [("get_weather", None), ("get_time", {"zone": "CET"})]
+
+
+def _check(calls):
+    assert [c["function"]["name"] for c in calls] == [name for name, _ in CALLS]
+    assert json.loads(calls[1]["function"]["arguments"]) == CALLS[1][1]
+    assert len({c["id"] for c in calls}) == 2 and all(c["type"] == "function" for c in calls)
+
+
+@pytest.mark.parametrize("parser, text, content", [
+    (Hermes(), HERMES_TEXT, "Let me check."),
+    (Llama3Json(), LLAMA_TEXT, None),
+    (Required(), REQUIRED_TEXT, None),
+])
+def test_finished_text_gives_calls(parser, text, content):
+    found, calls = finished_calls(parser, text)
+    assert found == content
+    _check(calls)
+    assert json.loads(calls[0]["function"]["arguments"])["city"] == "Paris"
+
+
+def test_text_without_calls_is_content():
+    for parser in (Hermes(), Llama3Json()):
+        assert finished_calls(parser, "Paris is sunny.") == ("Paris is sunny.", [])
+    broken = '<tool_call>\n{"name": "f", "arguments": {"a": 1'  # cut off by max_tokens
+    assert finished_calls(Hermes(), broken) == (broken, [])
+    assert finished_calls(Named("f"), '{"a": 1}')[1][0]["function"] == {
+        "name": "f", "arguments": '{"a": 1}'}
+
+
+@pytest.mark.parametrize("parser, text", [
+    (Hermes(), HERMES_TEXT), (Llama3Json(), LLAMA_TEXT), (Required(), REQUIRED_TEXT),
+    (Hermes(), "No tools needed <tool here, just text."),
+])
+def test_streamed_deltas_add_up_to_the_finished_answer(parser, text):
+    stream = ToolCallStream(parser)
+    content, names, args = [], {}, {}
+    for end in range(1, len(text) + 1):
+        delta, entries = stream.feed(text[:end], final=end == len(text))
+        content.append(delta)
+        for e in entries:
+            if "id" in e:
+                names[e["index"]] = e["function"]["name"]
+            args.setdefault(e["index"], []).append(e["function"]["arguments"])
+        assert "<tool_call" not in "".join(content)
+    expected_content, calls = finished_calls(parser, text)
+    assert "".join(content).strip() == (expected_content or "")
+    assert [names[i] for i in sorted(names)] == [c["function"]["name"] for c in calls]
+    assert ["".join(args[i]) for i in sorted(args)] == [c["function"]["arguments"]
+                                                       for c in calls]
+    if calls:
+        assert max(len(a) for a in args.values()) > 3  # pieces, not one whole string
+
+
+def test_template_without_tools_gets_them_as_text():
+    tools = parse_tools([{"type": "function", "function": {"name": "get_time"}}])
+    messages = [ChatMessage(role="user", content="time?"),
+                ChatMessage(role="assistant", content=None, tool_calls=[{
+                    "id": "call_1", "type": "function",
+                    "function": {"name": "get_time", "arguments": '{"zone": "CET"}'}}]),
+                ChatMessage(role="tool", tool_call_id="call_1", content="12:00")]
+    chatml = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{% endfor %}"
+    out, shown = chat_messages(messages, tools, ToolChoice("auto"), chatml, Hermes())
+    assert shown is None
+    assert out[0]["role"] == "system" and '"get_time"' in out[0]["content"]
+    assert finished_calls(Hermes(), out[2]["content"])[1][0]["function"]["name"] == "get_time"
+    assert out[3] == {"role": "user", "content": "<tool_response>\n12:00\n</tool_response>"}
+    # A template that renders tools itself gets them, and the calls, as they are.
+    out, shown = chat_messages(messages, tools, ToolChoice("auto"), "{{ tools }}", Hermes())
+    assert shown == [tools[0].raw] and out[1]["tool_calls"][0]["function"]["arguments"] == {
+        "zone": "CET"}

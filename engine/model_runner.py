@@ -23,6 +23,7 @@ from engine.parallel.followers import Followers
 from engine.parallel.sharded_kv import ShardedKVBlocks
 from engine.sampler import SamplingBatch, sample
 from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from engine.spec_decode.verify import VerifyRows, verify
 
 logger = logging.getLogger("engine")
 
@@ -175,6 +176,8 @@ class ModelRunner:
         # followers join, so they get the same list.
         calls = [[row for _, row in rows.sampled]] if sampling else []
         calls += [list(range(p.row_lo, p.row_hi)) for p in prompts]
+        if rows.spec:  # speculative decoding: every row of each proposal
+            calls.append([r for _, lo, draft in rows.spec for r in range(lo, lo + len(draft) + 1)])
         if self.followers is not None:
             with self.tp.command():  # the followers run the same forward and logits
                 self.followers.send(("forward", batch, calls))
@@ -199,9 +202,23 @@ class ModelRunner:
                 result.sampled[state.request_id] = token
                 if lp is not None:
                     result.logprobs[state.request_id] = lp
+        spec_logits = logits.pop() if rows.spec else None
         for p, chunk_logits in zip(prompts, logits, strict=True):
             self._fill_prompt_logprobs(p, chunk_logits, result)
+        if spec_logits is not None:
+            self._verify(rows.spec, spec_logits, result)
         return result
+
+    def _verify(self, spec: list[tuple[CachedRequestState, int, list[int]]],
+                logits: torch.Tensor, result: ModelRunnerOutput) -> None:
+        """Speculative decoding: keep what the target agrees with."""
+        seqs, at = [], 0
+        for state, _, draft in spec:
+            seqs.append(VerifyRows(state, draft, None, self._generator(state), at))
+            at += len(draft) + 1
+        for (state, _, _), tokens in zip(spec, verify(logits, seqs, self.model_cfg.vocab_size)):
+            state.token_ids.extend(tokens)
+            result.spec_tokens[state.request_id] = tokens
 
     def _generator(self, state: CachedRequestState) -> torch.Generator | None:
         seed = state.params.seed

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.spec_decode.stats import SpecDecodeStats
+
 
 @dataclass
 class CompletionOutput:
@@ -60,3 +62,5 @@ class EngineStats:
     kv_usage: float
     prefix_queries: int  # prompt tokens looked up in the prefix cache
     prefix_hits: int  # of those, tokens found
+    # Speculative decoding's counters (engine/spec_decode/stats.py); None without it.
+    spec_decode: SpecDecodeStats | None = None

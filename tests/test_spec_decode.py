@@ -1,0 +1,352 @@
+"""Speculative decoding (engine/spec_decode/): greedy output is the same with
+and without it, the sampled path keeps the target distribution, and the KV
+bookkeeping gives every block back.
+
+Random tiny models never repeat themselves, so n-gram lookups would never
+hit on them: two ways around that, each asserting that drafts were accepted
+(and rejected), so no test passes vacuously:
+
+- an *oracle* proposer (the Proposer interface is the plug) proposes the
+  continuation a run without speculation produced, with every third
+  proposal corrupted: acceptance, rejection and rollback on models whose
+  attention matters;
+- *bigram* models: the tiny models with each attention output projection
+  zeroed, whose next token depends on the last one alone, so greedy output
+  cycles and the real n-gram proposer hits, also across processes.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from engine_fixtures import (
+    VOCAB,
+    assert_all_free,
+    make_engine,
+    random_prompts,
+    record_steps,
+    root,
+    run_to_completion,
+    tiny,
+    tiny_with_tokenizer,
+)
+from safetensors.torch import load_file, save_file
+
+from engine.config import SpeculativeConfig
+from engine.sampling_params import SamplingParams
+from engine.spec_decode.base import DraftRequest, Proposal, Proposer
+from engine.spec_decode.ngram import NgramProposer
+from engine.spec_decode.verify import VerifyRows, verify
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+         "prompt_lookup_min": 2}
+GREEDY = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+
+
+class OracleProposer(Proposer):
+    """Proposes what a run without speculation produced next; every third
+    proposal has its second token wrong."""
+
+    name = "oracle"
+
+    def __init__(self, expected: list[list[int]]) -> None:
+        self.expected = expected
+        self.calls = 0
+
+    def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
+        out = []
+        for r in requests:
+            self.calls += 1
+            n = len(r.token_ids)
+            cont = next((full[n : n + r.max_tokens] for full in self.expected
+                         if full[:n] == r.token_ids), [])
+            if self.calls % 3 == 0 and len(cont) > 1:
+                cont = [cont[0], (cont[1] + 1) % VOCAB, *cont[2:]]
+            out.append(Proposal(cont))
+        return out
+
+
+def bigram(name: str) -> str:
+    """A copy of the tiny model (with the toy tokenizer) whose attention
+    outputs are zeroed: the next token is a function of the last one."""
+    path = root() / f"{name}-bigram"
+    if not path.exists():
+        shutil.copytree(tiny_with_tokenizer(name), path)
+        weights = path / "model.safetensors"
+        tensors = load_file(weights)
+        for key in tensors:
+            if key.endswith("self_attn.o_proj.weight"):
+                tensors[key] = torch.zeros_like(tensors[key])
+        save_file(tensors, weights, metadata={"format": "pt"})
+    return str(path)
+
+
+def generate(engine, prompts, params) -> dict[str, list[int]]:
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), prompt, p)
+    done = run_to_completion(engine)
+    return {k: [c.token_ids for c in v.outputs] for k, v in done.items()}
+
+
+def spec_stats(engine):
+    stats = engine.stats().spec_decode
+    assert stats is not None
+    return stats
+
+
+# ---- configuration ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [
+    {"method": "ngram", "num_speculative_tokens": 0},
+    {"method": "ngram"},
+    {"method": "medusa", "num_speculative_tokens": 2},
+    {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3,
+     "prompt_lookup_max": 2},
+    {"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1},
+    {"method": "draft_model", "num_speculative_tokens": 2},
+    "not a dict",
+])
+def test_bad_config_is_a_value_error(bad):
+    with pytest.raises(ValueError):
+        SpeculativeConfig.from_dict(bad)
+
+
+def test_config_from_flag_and_keyword():
+    import argparse
+
+    from engine.cli_args import add_engine_args, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--speculative-config", json.dumps(NGRAM)])
+    assert config_from_args(args).speculative_config == SpeculativeConfig(**NGRAM)
+    with pytest.raises(SystemExit):  # argparse's usage error, not a stack trace
+        parser.parse_args(["--speculative-config", "{not json"])
+    draft = SpeculativeConfig.from_dict({"model": "/x", "num_speculative_tokens": 3})
+    assert draft.method == "draft_model"
+
+
+def test_unsupported_method_fails_at_start():
+    d, _ = tiny()
+    with pytest.raises(ValueError, match="not implemented"):
+        make_engine(d, speculative_config={"model": str(d), "num_speculative_tokens": 2})
+
+
+def test_ngram_lookup_takes_the_latest_longest_match():
+    ng = NgramProposer(min_n=2, max_n=3)
+    assert ng.lookup([1, 2, 3, 9, 1, 2, 3, 7, 5, 2, 3], 2) == [7, 5]  # latest "2 3"
+    assert ng.lookup([1, 2, 3, 4, 8, 2, 3, 5, 1, 2, 3], 3) == [4, 8, 2]  # "1 2 3" beats "2 3"
+    assert ng.lookup([1, 2, 3, 1, 2], 5) == [3, 1, 2]
+    assert ng.lookup([1, 2, 3, 4], 3) == []
+    assert ng.lookup([5, 5], 3) == []  # shorter than min_n + 1
+
+
+# ---- greedy: the same tokens ----------------------------------------------------------
+
+
+SETUPS = {
+    "plain": {},
+    "chunked": dict(max_num_batched_tokens=24, long_prefill_token_threshold=16),
+    "preemption": dict(num_blocks=30, block_size=4),
+}
+
+
+@pytest.mark.parametrize("model", ["llama-gqa", "qwen2"])
+@pytest.mark.parametrize("setup", list(SETUPS))
+def test_greedy_output_is_unchanged_with_oracle_proposals(model, setup):
+    d, _ = tiny(model)
+    prompts = random_prompts([5, 40, 17, 70], seed=5)
+    ref = generate(make_engine(d, **SETUPS[setup]), prompts, GREEDY)
+    engine = make_engine(d, speculative_config={"num_speculative_tokens": 3}, **SETUPS[setup])
+    engine.spec.proposer = OracleProposer([p + ref[str(i)][0] for i, p in enumerate(prompts)])
+    steps = record_steps(engine)
+    assert generate(engine, prompts, GREEDY) == ref
+    stats = spec_stats(engine)
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    if setup == "preemption":
+        assert any(s.preempted for s in steps)
+    assert_all_free(engine)
+
+
+@pytest.mark.parametrize("model", ["llama-gqa", "qwen2"])
+def test_ngram_greedy_output_is_unchanged(model):
+    d = bigram(model)
+    prompts = random_prompts([6, 9, 30], seed=7)
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    ref = generate(make_engine(d), prompts, params)
+    engine = make_engine(d, speculative_config=NGRAM)
+    assert generate(engine, prompts, params) == ref
+    stats = spec_stats(engine)
+    assert stats.num_accepted_tokens > 0 and stats.accepted_per_pos[0] > 0
+    assert_all_free(engine)
+
+
+def test_prefix_hits_and_n_2_with_speculation():
+    d = bigram("llama-gqa")
+    shared = random_prompts([40], seed=8)[0]
+    prompts = [shared + [5], shared + [9]]  # the second finds the first's blocks cached
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, n=2)
+    base = make_engine(d)
+    ref = {k: generate(base, [p], params)["0"] for k, p in enumerate(prompts)}
+    engine = make_engine(d, speculative_config=NGRAM)
+    out = {k: generate(engine, [p], params)["0"] for k, p in enumerate(prompts)}
+    assert out == ref
+    assert engine.stats().prefix_hits >= 32
+    assert spec_stats(engine).num_accepted_tokens > 0
+    assert_all_free(engine)
+
+
+def test_stop_string_and_max_tokens_inside_an_accepted_run():
+    d = bigram("llama-gqa")
+    prompt = random_prompts([8], seed=11)[0]
+    base = make_engine(d)
+    long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    text = run_one(base, prompt, long).text
+    # A stop string from the repeating part, and a max_tokens that ends mid-run.
+    stop = text[len(text) * 2 // 3 :][:4]
+    cases = [SamplingParams(temperature=0, max_tokens=60, ignore_eos=True, stop=[stop]),
+             SamplingParams(temperature=0, max_tokens=37, ignore_eos=True),
+             SamplingParams(temperature=0, max_tokens=60)]
+    engine = make_engine(d, speculative_config=NGRAM)
+    for p in cases:
+        want, got = run_one(base, prompt, p), run_one(engine, prompt, p)
+        assert (got.token_ids, got.text, got.finish_reason, got.stop_reason) == \
+            (want.token_ids, want.text, want.finish_reason, want.stop_reason)
+    assert spec_stats(engine).num_accepted_tokens > 0
+    assert_all_free(engine)
+
+
+def run_one(engine, prompt, params):
+    engine.add_request("one", prompt, params)
+    return run_to_completion(engine)["one"].outputs[0]
+
+
+def test_abort_in_the_middle_of_speculation_frees_everything():
+    d = bigram("llama-gqa")
+    engine = make_engine(d, speculative_config=NGRAM, block_size=4)
+    for i, p in enumerate(random_prompts([6, 9], seed=7)):
+        engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=200,
+                                                     ignore_eos=True))
+    for _ in range(40):
+        engine.step()
+    assert spec_stats(engine).num_drafts > 0
+    engine.abort_request(["0", "1"])
+    assert_all_free(engine)
+
+
+# ---- sampling: the target distribution ------------------------------------------------
+
+
+def chi2_critical(df: int) -> float:
+    """The 0.999 quantile of chi-square with ``df`` degrees of freedom
+    (Wilson-Hilferty; close enough for a test threshold)."""
+    z = 3.09
+    return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
+
+
+class _Params:
+    def __init__(self, **kw):
+        self.params = SamplingParams(**kw)
+
+
+@pytest.mark.parametrize("draft_kind", ["point", "distribution"])
+def test_rejection_sampling_emits_the_target_distribution(draft_kind):
+    """Many one-token proposals verified in one call: the first emitted
+    token follows the target's softmax (chi-square), whatever the draft's q."""
+    vocab, trials = 6, 4000
+    gen = torch.Generator().manual_seed(0)
+    row = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 0.3], [0.0] * 6])
+    target = torch.softmax(row[0], dim=-1)
+    q = torch.tensor([[0.05, 0.1, 0.6, 0.1, 0.1, 0.05]]) if draft_kind == "distribution" else None
+    drafts = [2] * trials if q is None else \
+        torch.multinomial(q[0], trials, replacement=True, generator=gen).tolist()
+    state = _Params(temperature=1.0)
+    seqs = [VerifyRows(state, [d], q, gen, 2 * i) for i, d in enumerate(drafts)]
+    emitted = verify(row.repeat(trials, 1), seqs, vocab)
+    counts = torch.bincount(torch.tensor([t[0] for t in emitted]), minlength=vocab).float()
+    expected = target * trials
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < chi2_critical(vocab - 1), (counts / trials, target)
+    assert 0 < sum(len(t) == 2 for t in emitted) < trials  # some accepted, some not
+
+
+class SameTokenProposer(Proposer):
+    name = "fixed"
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+
+    def propose(self, requests):
+        return [Proposal([self.token] * r.max_tokens) for r in requests]
+
+
+def test_sampled_engine_keeps_the_distribution_of_the_first_speculative_token():
+    """The (first, second) token pairs of many seeded samples, with and
+    without speculation on the second: the same distribution (two-sample
+    chi-square). Top-k 4 keeps the pairs few enough to count."""
+    d, _ = tiny()
+    prompt = random_prompts([7], seed=2)[0]
+    greedy = generate(make_engine(d), [prompt], SamplingParams(temperature=0, max_tokens=2))
+    second = greedy["0"][0][1]
+    num = 400
+    params = [SamplingParams(temperature=1.0, top_k=4, max_tokens=3, seed=s) for s in range(num)]
+
+    def pairs(engine):
+        out = generate(engine, [prompt] * num, params)
+        counts: dict[tuple[int, int], int] = {}
+        for toks in out.values():
+            key = (toks[0][0], toks[0][1])
+            counts[key] = counts.get(key, 0) + 1
+        return counts
+
+    base = pairs(make_engine(d, num_blocks=1024, max_num_seqs=num))
+    engine = make_engine(d, num_blocks=1024, max_num_seqs=num,
+                         speculative_config={"num_speculative_tokens": 1})
+    engine.spec.proposer = SameTokenProposer(second)
+    spec = pairs(engine)
+    stats = spec_stats(engine)
+    assert stats.num_drafts == num and 0 < stats.num_accepted_tokens < num
+    keys = set(base) | set(spec)
+    chi2 = sum((base.get(k, 0) - spec.get(k, 0)) ** 2 / (base.get(k, 0) + spec.get(k, 0))
+               for k in keys)
+    assert chi2 < chi2_critical(len(keys) - 1), (base, spec)
+    assert_all_free(engine)
+
+
+def test_a_seed_gives_the_same_text_alone_or_in_a_batch():
+    d = bigram("llama-gqa")
+    prompts = random_prompts([6, 9, 12], seed=7)
+    # Cool enough that the bigram model still cycles and n-gram lookups hit.
+    seeded = SamplingParams(temperature=0.2, max_tokens=40, seed=42, ignore_eos=True)
+    other = SamplingParams(temperature=0.2, max_tokens=40, ignore_eos=True)
+    alone = generate(make_engine(d, speculative_config=NGRAM), prompts[:1], seeded)["0"]
+    engine = make_engine(d, speculative_config=NGRAM)
+    batched = generate(engine, prompts, [seeded, other, other])["0"]
+    assert alone == batched
+    assert spec_stats(engine).num_accepted_tokens > 0
+
+
+# ---- the real model ---------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_smollm2_repeats_text_the_same_with_speculation(tmp_path, monkeypatch):
+    from tandem import LLM
+
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    text = ("The quick brown fox jumps over the lazy dog. A journey of a thousand miles "
+            "begins with a single step. To be or not to be, that is the question.")
+    chats = [[{"role": "user", "content": f"Repeat this text exactly: {text}"}],
+             [{"role": "user", "content": "Write a short poem about the sea."}]]
+    params = SamplingParams(temperature=0, max_tokens=40)
+    want = [o.outputs[0].token_ids for o in LLM(dtype="float32").chat(chats, params,
+                                                                         use_tqdm=False)]
+    llm = LLM(dtype="float32", speculative_config=NGRAM)
+    got = [o.outputs[0].token_ids for o in llm.chat(chats, params, use_tqdm=False)]
+    assert got == want
+    assert llm.engine.stats().spec_decode.num_accepted_tokens > 0

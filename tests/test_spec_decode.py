@@ -350,3 +350,40 @@ def test_smollm2_repeats_text_the_same_with_speculation(tmp_path, monkeypatch):
     got = [o.outputs[0].token_ids for o in llm.chat(chats, params, use_tqdm=False)]
     assert got == want
     assert llm.engine.stats().spec_decode.num_accepted_tokens > 0
+
+
+# ---- through a cluster ------------------------------------------------------------------
+
+
+def test_disaggregated_equals_colocated_equals_offline():
+    """Decode workers speculate (the flag), prefill workers do not; the text is
+    the offline engine's, and the decode worker's metrics count accepted drafts."""
+    from gateway_fixtures import start_gateway, start_workers, wait_blocks_free
+    from worker_fixtures import metric, scrape
+
+    from tandem.cluster import LocalCluster
+
+    model = bigram("llama-gqa")
+    prompt = "the quick brown fox"
+    flag = ["--speculative-config", json.dumps(NGRAM)]
+    offline = make_engine(model, speculative_config=NGRAM)
+    want = run_one(offline, prompt, SamplingParams(temperature=0, max_tokens=40,
+                                                   ignore_eos=True)).text
+    assert spec_stats(offline).num_accepted_tokens > 0
+    with LocalCluster() as cluster:
+        split = start_workers(cluster, ["prefill", "decode"], 64, *flag, model=model, metrics=True)
+        both = start_workers(cluster, ["both"], 64, *flag, model=model)
+        texts = []
+        for workers in (split, both):
+            gateway = start_gateway(cluster, workers, model=model)
+            with gateway.client() as client:
+                texts.append(client.completions.create(
+                    model="tiny-llama", prompt=prompt, max_tokens=40, temperature=0,
+                    extra_body={"ignore_eos": True}).choices[0].text)
+            wait_blocks_free(workers)
+        assert texts == [want, want]
+        decode_metrics = scrape(split[1].metrics_port)
+        assert metric(decode_metrics, "vllm:spec_decode_num_accepted_tokens_total") > 0
+        assert metric(decode_metrics, "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+                      position="0") > 0
+        assert not metric(scrape(split[0].metrics_port), "vllm:spec_decode_num_drafts_total")

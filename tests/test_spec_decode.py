@@ -173,6 +173,26 @@ def test_greedy_output_is_unchanged_with_oracle_proposals(model, setup):
     assert_all_free(engine)
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch-reference"])
+def test_verification_on_the_other_attention_paths(backend):
+    """Several query tokens per decoding sequence through the Triton kernels
+    (Triton's CPU interpreter here) and through kernels/reference.py (the
+    torch backend off the CPU C kernel)."""
+    d, _ = tiny()
+    prompts = random_prompts([5, 9], seed=6)
+    kw = dict(block_size=4, num_blocks=64,
+              attention_backend="triton" if backend == "triton" else "torch")
+    params = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
+    ref = generate(make_engine(d, **kw), prompts, params)
+    engine = make_engine(d, speculative_config={"num_speculative_tokens": 3}, **kw)
+    if backend == "torch-reference":
+        engine.runner.backend.native = False
+    engine.spec.proposer = OracleProposer([p + ref[str(i)][0] for i, p in enumerate(prompts)])
+    assert generate(engine, prompts, params) == ref
+    assert 0 < spec_stats(engine).num_accepted_tokens < spec_stats(engine).num_draft_tokens
+    assert_all_free(engine)
+
+
 @pytest.mark.parametrize("model", ["llama-gqa", "qwen2"])
 def test_ngram_greedy_output_is_unchanged(model):
     d = bigram(model)

@@ -48,7 +48,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
 
 class OracleProposer(Proposer):
     """Proposes what a run without speculation produced next; every third
-    proposal has its second token wrong."""
+    proposal has its second token (or its only one) wrong."""
 
     name = "oracle"
 
@@ -63,8 +63,9 @@ class OracleProposer(Proposer):
             n = len(r.token_ids)
             cont = next((full[n : n + r.max_tokens] for full in self.expected
                          if full[:n] == r.token_ids), [])
-            if self.calls % 3 == 0 and len(cont) > 1:
-                cont = [cont[0], (cont[1] + 1) % VOCAB, *cont[2:]]
+            if self.calls % 3 == 0 and cont:
+                j = min(1, len(cont) - 1)
+                cont = [*cont[:j], (cont[j] + 1) % VOCAB, *cont[j + 1 :]]
             out.append(Proposal(cont))
         return out
 

@@ -60,7 +60,7 @@ class LLMEngine:
         cache = config.cache
         self.kv = KVCacheManager(self.runner.num_blocks, cache.block_size,
                                  cache.enable_prefix_caching)
-        self.spec = make_spec_decoder(config.speculative_config, self.max_model_len)
+        self.spec = make_spec_decoder(config, self.model_config, self.max_model_len)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.spec)
         self.output_processor = OutputProcessor(self.tokenizer)
         logger.info(

@@ -34,6 +34,7 @@ from engine_fixtures import (
     tiny_with_tokenizer,
 )
 from safetensors.torch import load_file, save_file
+from tiny_models import build_tiny_model
 
 from engine.config import SpeculativeConfig
 from engine.sampling_params import SamplingParams
@@ -132,10 +133,17 @@ def test_config_from_flag_and_keyword():
     assert draft.method == "draft_model"
 
 
-def test_unsupported_method_fails_at_start():
+@pytest.mark.parametrize("change,match", [
+    (dict(vocab_size=256), "vocabulary"),
+    (dict(hidden_size=128, intermediate_size=256), "larger"),
+    (dict(max_position_embeddings=64), "context"),
+])
+def test_a_draft_that_cannot_serve_fails_at_start(change, match):
     d, _ = tiny()
-    with pytest.raises(ValueError, match="not implemented"):
-        make_engine(d, speculative_config={"model": str(d), "num_speculative_tokens": 2})
+    name = "-".join(change)
+    draft, _ = build_tiny_model("llama-gqa", root() / f"draft-{name}", **change)
+    with pytest.raises(ValueError, match=match):
+        make_engine(d, speculative_config={"model": str(draft), "num_speculative_tokens": 2})
 
 
 def test_ngram_lookup_takes_the_latest_longest_match():
@@ -192,6 +200,25 @@ def test_verification_on_the_other_attention_paths(backend):
     assert generate(engine, prompts, params) == ref
     assert 0 < spec_stats(engine).num_accepted_tokens < spec_stats(engine).num_draft_tokens
     assert_all_free(engine)
+
+
+def test_draft_model_greedy_output_is_unchanged():
+    """The target as its own draft: every guess is right (and the output the
+    same); a one-layer random draft: guesses are wrong, output still the same."""
+    d, _ = tiny()
+    one_layer, _ = build_tiny_model("llama-gqa", root() / "draft-1-layer", num_hidden_layers=1)
+    prompts = random_prompts([5, 40], seed=5)
+    ref = generate(make_engine(d), prompts, GREEDY)
+    for draft in (d, one_layer):
+        engine = make_engine(d, speculative_config={"model": str(draft),
+                                                    "num_speculative_tokens": 3})
+        assert generate(engine, prompts, GREEDY) == ref
+        stats = spec_stats(engine)
+        assert stats.num_drafts > 0
+        if draft == d:
+            assert stats.num_accepted_tokens > stats.num_draft_tokens * 0.9
+        assert_all_free(engine)
+        assert_all_free(engine.spec.proposer.engine)
 
 
 @pytest.mark.parametrize("model", ["llama-gqa", "qwen2"])
@@ -382,6 +409,7 @@ def test_disaggregated_equals_colocated_equals_offline():
     from gateway_fixtures import start_gateway, start_workers, wait_blocks_free
     from worker_fixtures import metric, scrape
 
+    from tandem.bench import spec_metrics
     from tandem.cluster import LocalCluster
 
     model = bigram("llama-gqa")
@@ -408,3 +436,6 @@ def test_disaggregated_equals_colocated_equals_offline():
         assert metric(decode_metrics, "vllm:spec_decode_num_accepted_tokens_per_pos_total",
                       position="0") > 0
         assert not metric(scrape(split[0].metrics_port), "vllm:spec_decode_num_drafts_total")
+        # What `tandem bench serve --metrics-url` reads.
+        summary = spec_metrics.scrape(f"http://127.0.0.1:{split[1].metrics_port}/metrics").summary()
+        assert summary is not None and 0 < summary["acceptance_rate"] <= 1

@@ -2,11 +2,14 @@
 
     PYTHONPATH=. python benchmarks/spec_decode.py [--k 4] [--max-tokens 96] [--dtype float32]
 
-Two workloads of chat prompts, greedy, run with and without ``{"method": "ngram"}``:
+Workloads of chat prompts, run with and without ``{"method": "ngram"}``:
 
-    hit      "Repeat this text exactly: ..." over a different passage each request: the
-             output copies the prompt, so prompt lookups hit
-    no-hit   open-ended requests (a story, a list, an explanation): little to copy
+    hit      greedy, "Repeat this text exactly: ..." over different passages: the output
+             copies the prompt, so prompt lookups hit
+    open     greedy, open-ended requests (a story, a list, an explanation); SmolLM2-135M
+             repeats itself a lot at temperature 0, so lookups hit here too
+    no-hit   the open-ended requests sampled (temperature 1, seeded, ``ignore_eos`` so
+             every request has max_tokens tokens): little repeats, lookups rarely hit
 
 each at batch 1 (requests one after another) and batch 16 (16 requests at once). For each:
 output tokens per second of wall time, mean TPOT (per request: time from its first to its
@@ -25,6 +28,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
 
 from tandem import LLM, SamplingParams  # noqa: E402
 
@@ -57,7 +62,7 @@ def chats(kind: str, num: int) -> list[list[dict[str, str]]]:
     if kind == "hit":
         texts = [f"Repeat this text exactly: {PASSAGES[i % len(PASSAGES)]} "
                  f"{PASSAGES[(i + 3) % len(PASSAGES)]}" for i in range(num)]
-    else:
+    else:  # open, no-hit
         texts = [TOPICS[i % len(TOPICS)] for i in range(num)]
     return [[{"role": "user", "content": t}] for t in texts]
 
@@ -98,17 +103,23 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2,
                     help="runs of each arm, alternating off/ngram; the fastest is reported "
                          "(the machine is shared: the best run is the least disturbed)")
+    ap.add_argument("--workloads", default="hit,open,no-hit")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4,
             "prompt_lookup_min": 2}
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     llms = {"off": LLM(dtype=args.dtype), "ngram": LLM(dtype=args.dtype, speculative_config=spec)}
     tok = llms["off"].get_tokenizer()
     print(f"load average before: {os.getloadavg()}  torch threads: "
-          f"{__import__('torch').get_num_threads()}  cpus: {os.cpu_count()}")
+          f"{torch.get_num_threads()}  cpus: {os.cpu_count()}")
     print("| workload | batch | spec | out tok/s | TPOT ms | acceptance | mean accepted len |")
     print("|---|---|---|---|---|---|---|")
-    for kind in ("hit", "no-hit"):
+    for kind in args.workloads.split(","):
+        params = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, seed=0,
+                                ignore_eos=True) if kind == "no-hit" else greedy
         for batch, num in ((1, args.batch1_requests), (16, args.batch16_requests)):
             prompts = [tok.encode_chat(c, True) for c in chats(kind, num)]
             results: dict[str, dict] = {}
@@ -132,7 +143,8 @@ def main() -> None:
                 results[name] = res
                 print(f"| {kind} | {batch} | {name} | {res['throughput']:.1f} | "
                       f"{res['tpot_ms']:.1f} | {acc} | {mal} |", flush=True)
-            same = results["off"]["tokens"] == results["ngram"]["tokens"]
+            same = results["off"]["tokens"] == results["ngram"]["tokens"] if kind != "no-hit" \
+                else "n/a (sampled)"
             speedup = results["ngram"]["throughput"] / results["off"]["throughput"]
             print(f"|   | {batch} | ngram/off | x{speedup:.2f} | "
                   f"x{results['off']['tpot_ms'] / results['ngram']['tpot_ms']:.2f} "

@@ -182,6 +182,39 @@ def test_greedy_output_is_unchanged_with_oracle_proposals(model, setup):
     assert_all_free(engine)
 
 
+class WrongProposer(Proposer):
+    name = "wrong"
+
+    def propose(self, requests):  # token 0 (<unk>) never comes out of these models greedily
+        return [Proposal([0] * r.max_tokens) for r in requests]
+
+
+def test_blocks_of_rejected_drafts_are_given_back():
+    """Every draft rejected, 2-token blocks, 4 drafts: after each step a
+    request holds no block past those its real tokens fill, and the runner's
+    block table follows (the output is still right)."""
+    d, _ = tiny()
+    prompts = random_prompts([5, 8], seed=4)
+    ref = generate(make_engine(d, block_size=2), prompts, GREEDY)
+    engine = make_engine(d, block_size=2, speculative_config={"num_speculative_tokens": 4})
+    engine.spec.proposer = WrongProposer()
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, GREEDY)
+    done, checked = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = [c.token_ids for c in out.outputs]
+        for request in engine.scheduler.running:
+            assert engine.kv.num_held(request.request_id) <= \
+                engine.kv.num_blocks_for(request.num_tokens)
+            checked += 1
+    assert done == ref and checked > 0
+    stats = spec_stats(engine)
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens == 0
+    assert_all_free(engine)
+
+
 @pytest.mark.parametrize("backend", ["triton", "torch-reference"])
 def test_verification_on_the_other_attention_paths(backend):
     """Several query tokens per decoding sequence through the Triton kernels

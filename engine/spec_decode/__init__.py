@@ -42,5 +42,5 @@ def make_spec_decoder(engine_config: EngineConfig, model_config: ModelConfig,
         from engine.spec_decode.draft import DraftModelProposer
 
         proposer = DraftModelProposer(engine_config, model_config, max_model_len)
-    return SpecDecoder(config, proposer, max_model_len)
+    return SpecDecoder(config, proposer, max_model_len, engine_config.device)
 

@@ -8,11 +8,19 @@ penalties, ``min_tokens`` reached), and it has room: a guess past
 ``max_tokens`` or the model's length would be thrown away, so the cap also
 keeps a sequence within the blocks ``LLMEngine.validate`` promised it.
 
-Auto-off: each sequence keeps a running acceptance rate of its proposals.
-When it falls below ``MIN_ACCEPTANCE`` the sequence stops speculating for a
-while (``BACKOFF_STEPS``, doubled each time it collapses again, up to
-``MAX_BACKOFF``), so text that does not repeat costs the lookups and the
-occasional probe, not a verification of k rejected tokens every step.
+How many tokens to guess (auto-off included). A step costs about
+``F + r * rows``: ``F`` the part every step pays (reading the weights,
+launching), ``r`` each row of tokens. The ``i``-th guess of a sequence costs
+a row and, if it and the guesses before it are accepted, saves a whole
+token: ``F / B + r`` at batch ``B``. With ``a`` the sequence's running
+acceptance rate, the ``i``-th guess pays when ``a^i >= r / (F / B + r) = B
+/ (B + F / r)``. So a sequence proposes the longest run that pays: at batch
+1 nearly any acceptance is worth a guess (a decode is memory-bound), at
+large batches only runs that are nearly always right (compute dominates).
+When not even one guess pays, the sequence pauses (4 steps, doubling up to
+64 while it keeps failing), then probes with one guess, which can bring
+its rate back up. An n-gram lookup that finds nothing proposes nothing, so
+text that does not repeat costs the lookups only.
 """
 
 from __future__ import annotations
@@ -24,10 +32,11 @@ from engine.request import Request
 from engine.spec_decode.base import DraftRequest, Proposal, Proposer
 from engine.spec_decode.stats import SpecDecodeStats
 
-# NOTE: the break-even of a verification on a CPU at low batch is far below
-# this (an extra query token costs a few percent of a step); the floor is
-# for large batches, where k rejected tokens per sequence are real compute.
-MIN_ACCEPTANCE = 0.2
+# NOTE: F / r as measured for SmolLM2-135M in float32 on one CPU core
+# (docs/benchmarks.md, "Speculative decoding": a decode step ~49 ms plus
+# ~5.3 ms per extra row). On a GPU a decode step is memory-bound until
+# batches of tens of sequences, so F / r is far larger.
+FIXED_TO_ROW = {"cpu": 9.0, "cuda": 64.0}
 EMA = 0.5  # weight of the newest proposal in the running acceptance rate
 BACKOFF_STEPS = 4
 MAX_BACKOFF = 64
@@ -41,43 +50,56 @@ class _SeqState:
 
 
 class SpecDecoder:
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer, max_model_len: int):
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer, max_model_len: int,
+                 device: str = "cpu"):
         self.config = config
         self.proposer = proposer
         self.max_model_len = max_model_len
+        self.fixed_to_row = FIXED_TO_ROW["cuda" if device.startswith("cuda") else "cpu"]
         self.stats = SpecDecodeStats()
         self._seqs: dict[str, _SeqState] = {}
 
     def propose(self, running: list[Request]) -> dict[str, Proposal]:
         """Proposals for the running sequences that speculate this step."""
         k = self.config.num_speculative_tokens
+        decoding = [r for r in running
+                    if r.num_computed_tokens == r.num_tokens - 1 and speculates(r)]
+        threshold = len(decoding) / (len(decoding) + self.fixed_to_row)
         asks = []
-        for r in running:
-            if r.num_computed_tokens != r.num_tokens - 1 or not speculates(r):
-                continue
-            state = self._seqs.setdefault(r.request_id, _SeqState())
-            if state.pause:
-                state.pause -= 1
-                continue
+        for r in decoding:
             room = min(k, r.params.max_tokens - r.num_output_tokens - 1,
                        self.max_model_len - r.num_tokens)
-            if room >= 1:
-                asks.append(DraftRequest(r.request_id, r.token_ids, room))
+            state = self._seqs.setdefault(r.request_id, _SeqState())
+            length = self._length(state, room, threshold)
+            if length:
+                asks.append(DraftRequest(r.request_id, r.token_ids, length))
         if not asks:
             return {}
         proposals = self.proposer.propose(asks)
         return {a.request_id: p for a, p in zip(asks, proposals, strict=True) if p.token_ids}
+
+    def _length(self, state: _SeqState, room: int, threshold: float) -> int:
+        """The longest run of guesses that pays (module docstring), or 0."""
+        if room < 1:
+            return 0
+        if state.pause:
+            state.pause -= 1
+            return 0
+        length = 0
+        while length < room and state.acceptance ** (length + 1) >= threshold:
+            length += 1
+        if not length:
+            state.pause = state.backoff
+            state.backoff = min(2 * state.backoff, MAX_BACKOFF)
+            state.acceptance = threshold  # after the pause, probe with one guess
+        return length
 
     def observe(self, request_id: str, num_draft: int, num_accepted: int) -> None:
         """A proposal of ``num_draft`` tokens was verified; ``num_accepted`` held."""
         self.stats.observe(num_draft, num_accepted)
         state = self._seqs.setdefault(request_id, _SeqState())
         state.acceptance = (1 - EMA) * state.acceptance + EMA * num_accepted / num_draft
-        if state.acceptance < MIN_ACCEPTANCE:
-            state.pause = state.backoff
-            state.backoff = min(2 * state.backoff, MAX_BACKOFF)
-            state.acceptance = MIN_ACCEPTANCE  # a probe after the pause can lift it again
-        elif num_accepted:
+        if num_accepted:
             state.backoff = BACKOFF_STEPS
 
     def forget(self, request_id: str) -> None:

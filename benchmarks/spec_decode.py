@@ -107,6 +107,7 @@ def main() -> None:
                     help="runs of each arm, alternating off/ngram; the fastest is reported "
                          "(the machine is shared: the best run is the least disturbed)")
     ap.add_argument("--workloads", default="hit,open,no-hit")
+    ap.add_argument("--batches", default="1,16", help="which of batch 1 and batch 16 to run")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = ap.parse_args()
     if args.threads:
@@ -125,6 +126,8 @@ def main() -> None:
         params = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, seed=0,
                                 ignore_eos=True) if kind == "no-hit" else greedy
         for batch, num in ((1, args.batch1_requests), (16, args.batch16_requests)):
+            if str(batch) not in args.batches.split(","):
+                continue
             prompts = [tok.encode_chat(c, True) for c in chats(kind, num)]
             results: dict[str, dict] = {}
             for llm in llms.values():

@@ -46,7 +46,9 @@ MAX_BACKOFF = 64
 
 @dataclass
 class _SeqState:
-    acceptance: float = 1.0  # running acceptance rate (optimistic start)
+    # Running acceptance rate. NOTE: it starts at 0.7, not 1: at batch 16 a
+    # new sequence then probes with one guess rather than k that may all miss.
+    acceptance: float = 0.7
     pause: int = 0  # steps left without speculating
     backoff: int = BACKOFF_STEPS
 

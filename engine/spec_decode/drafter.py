@@ -38,7 +38,7 @@ from engine.spec_decode.stats import SpecDecodeStats
 # decode step took 52 ms of CPU and 4 extra rows 38 ms more (F / r ~ 5); at
 # batch 16, 141 ms and 2.6 ms per extra row (F / r ~ 37 at the margin). On a
 # GPU a decode step is memory-bound until batches of tens of sequences.
-FIXED_TO_ROW = {"cpu": 9.0, "cuda": 64.0}
+FIXED_TO_ROW = {"cpu": 3.0, "cuda": 64.0}
 EMA = 0.5  # weight of the newest proposal in the running acceptance rate
 BACKOFF_STEPS = 4
 MAX_BACKOFF = 64

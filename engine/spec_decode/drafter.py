@@ -32,12 +32,14 @@ from engine.request import Request
 from engine.spec_decode.base import DraftRequest, Proposal, Proposer
 from engine.spec_decode.stats import SpecDecodeStats
 
-# NOTE: F / r for SmolLM2-135M in float32 on one CPU core, a compromise: a
-# step is not linear in its rows (the LM head's matmul is most of a row's
-# cost, and its efficiency jumps with the row count). Measured: at batch 1 a
-# decode step took 52 ms of CPU and 4 extra rows 38 ms more (F / r ~ 5); at
-# batch 16, 141 ms and 2.6 ms per extra row (F / r ~ 37 at the margin). On a
-# GPU a decode step is memory-bound until batches of tens of sequences.
+# NOTE: F / r for SmolLM2-135M in float32 on one CPU core, set from what
+# speculation cost end to end (docs/benchmarks.md): a step is not linear in
+# its rows. At batch 1 a decode step took 52 ms of CPU and 4 extra rows 38 ms
+# more (the LM head's matmul is most of a row); at batch 16 the rows past 16
+# start a new GEMM block and cost nearly a token each, so there only runs
+# that are almost always right pay. 3 gives a threshold of 0.25 at batch 1
+# and 0.84 at batch 16. On a GPU a decode step is memory-bound until batches
+# of tens of sequences, so F / r is far larger.
 FIXED_TO_ROW = {"cpu": 3.0, "cuda": 64.0}
 EMA = 0.5  # weight of the newest proposal in the running acceptance rate
 BACKOFF_STEPS = 4

@@ -71,12 +71,16 @@ class SpecDecoder:
         decoding = [r for r in running
                     if r.num_computed_tokens == r.num_tokens - 1 and speculates(r)]
         threshold = len(decoding) / (len(decoding) + self.fixed_to_row)
+        # NOTE: a seeded sequence decides as if alone: how many guesses it
+        # makes decides which random draws it uses, and a seed must give the
+        # same text in any batch.
+        alone = 1 / (1 + self.fixed_to_row)
         asks = []
         for r in decoding:
             room = min(k, r.params.max_tokens - r.num_output_tokens - 1,
                        self.max_model_len - r.num_tokens)
             state = self._seqs.setdefault(r.request_id, _SeqState())
-            length = self._length(state, room, threshold)
+            length = self._length(state, room, alone if r.params.seed is not None else threshold)
             if length:
                 asks.append(DraftRequest(r.request_id, r.token_ids, length))
         if not asks:

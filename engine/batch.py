@@ -14,7 +14,7 @@ run the same forward.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -80,6 +80,9 @@ class SamplingRows:
 
     sampled: list[tuple[CachedRequestState, int]]  # (request, row of its last new token)
     prompt_rows: list[tuple[CachedRequestState, int, int, int]]  # (request, start, row lo, hi)
+    # Speculative decoding: (request, its first row, draft tokens); the
+    # request's 1 + len(draft) rows from there are verified, not sampled.
+    spec: list[tuple[CachedRequestState, int, list[int]]] = field(default_factory=list)
 
 
 class InputBatch:
@@ -106,6 +109,7 @@ class InputBatch:
             if s.new_block_ids:
                 state = self.requests[s.request_id]
                 n = len(s.new_block_ids)
+                state.num_blocks = s.num_blocks_before  # less, if rejected drafts freed some
                 self.block_table[state.row, state.num_blocks : state.num_blocks + n] = \
                     s.new_block_ids
                 state.num_blocks += n
@@ -146,7 +150,9 @@ class InputBatch:
                 ids[t] = state.token_ids[start]
                 pos[t] = start
             else:
-                ids[t : t + n] = state.token_ids[start : start + n]
+                # A speculating decode: its last token, then the proposal.
+                ids[t : t + n] = state.token_ids[start : start + n] + s.draft_token_ids \
+                    if s.draft_token_ids else state.token_ids[start : start + n]
                 pos[t : t + n] = np.arange(start, start + n)
             # NOTE: only the first of n completions: the others start past the
             # prompt blocks they share with it, so they lack the early rows.
@@ -157,7 +163,9 @@ class InputBatch:
             t += n
             query_start[i + 1] = t
             seq_lens[i] = start + n
-            if s.sample:
+            if s.draft_token_ids:
+                sampling.spec.append((state, t - n, s.draft_token_ids))
+            elif s.sample:
                 sampling.sampled.append((state, t - 1))
         max_blocks = -(-int(seq_lens.max()) // bs)
         tables = self.block_table[rows_of, :max_blocks]  # [num_seqs, max_blocks], a copy

@@ -19,6 +19,7 @@ from engine.config import (
     CacheConfig,
     EngineConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     default_of,
     engine_config_from_flat,
 )
@@ -71,6 +72,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction,
                    default=engine("enforce_eager"),
                    help="on CUDA, run decode steps eagerly instead of replaying CUDA graphs")
+    g.add_argument("--speculative-config", type=_speculative_config,
+                   default=engine("speculative_config"), metavar="JSON",
+                   help='speculative decoding, e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4}\' (decode workers; a prefill worker '
+                        'samples one token and never speculates)')
+
+
+def _speculative_config(text: str) -> SpeculativeConfig:
+    try:
+        return SpeculativeConfig.from_json(text)
+    except ValueError as exc:  # argparse reports an ArgumentTypeError as a usage error
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -124,6 +124,18 @@ class KVCacheManager:
             self.pool.cache(blocks[i], hashes[i], preimage)
         self._num_cached[request.request_id] = num_full
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Free the request's blocks past those its first ``num_tokens``
+        tokens fill: slots given to speculative tokens that were rejected.
+        Such blocks were never published (``cache_blocks`` stops at the
+        request's own tokens) nor shared (``fork`` shares prompt blocks)."""
+        blocks = self._blocks.get(request.request_id)
+        keep = self.num_blocks_for(num_tokens)
+        if blocks and len(blocks) > keep:
+            surplus = blocks[keep:]
+            del blocks[keep:]
+            self.pool.free(list(reversed(surplus)))
+
     def fork(self, parent: Request, child: Request, num_tokens: int) -> None:
         """Share the parent's first ``num_tokens // block_size`` blocks with a
         child that has none yet (``n > 1``: the completions share the prompt)."""

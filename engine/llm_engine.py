@@ -36,6 +36,7 @@ from engine.request_checks import check_request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.scheduler_output import SchedulerOutput
+from engine.spec_decode import make_spec_decoder
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger("engine")
@@ -59,7 +60,8 @@ class LLMEngine:
         cache = config.cache
         self.kv = KVCacheManager(self.runner.num_blocks, cache.block_size,
                                  cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        self.spec = make_spec_decoder(config, self.model_config, self.max_model_len)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.spec)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.num_steps = 0  # steps that ran the model: a liveness signal for callers
         logger.info(
@@ -226,6 +228,7 @@ class LLMEngine:
             num_free_blocks=kv.num_free_blocks, kv_usage=kv.usage,
             prefix_queries=kv.prefix_queries, prefix_hits=kv.prefix_hits,
             num_steps=self.num_steps,
+            spec_decode=self.spec.stats.snapshot() if self.spec is not None else None,
         )
 
     @property

@@ -23,6 +23,7 @@ from engine.parallel.followers import Followers
 from engine.parallel.sharded_kv import ShardedKVBlocks
 from engine.sampler import SamplingBatch, sample
 from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from engine.spec_decode.verify import VerifyRows, verify
 from engine.structured_output.matchers import GrammarMatchers
 
 logger = logging.getLogger("engine")
@@ -179,7 +180,11 @@ class ModelRunner:
         # then each prompt chunk's (so a [rows, vocab] matrix is never larger
         # than one chunk's). With tensor parallelism each call is a gather the
         # followers join, so they get the same list.
-        calls = [[row for _, row in rows.sampled]] if sampling else []
+        # NOTE: speculative decoding's rows (every row of each proposal) join
+        # the sampled rows' call: on the CPU one LM-head matmul over 20 rows
+        # costs about what one over 16 does, a second call as much again.
+        spec_rows = [r for _, lo, draft in rows.spec for r in range(lo, lo + len(draft) + 1)]
+        calls = [[row for _, row in rows.sampled] + spec_rows] if sampling or spec_rows else []
         calls += [list(range(p.row_lo, p.row_hi)) for p in prompts]
         # Grammar masks of constrained rows, computed while the forward runs.
         masks = self.grammars.start([state.request_id for state in sampling])
@@ -196,6 +201,9 @@ class ModelRunner:
                 hidden = self.model(input_ids, positions, self.kv_caches, meta)
             logits = [self.model.compute_logits(hidden[c]) for c in calls]
 
+        row_logits = logits.pop(0) if sampling or spec_rows else None
+        if spec_rows:
+            self._verify(rows.spec, row_logits[len(sampling):], result)
         if sampling:
             batch_params = SamplingBatch.prepare(
                 sampling, [self._generator(r) for r in sampling],
@@ -203,7 +211,7 @@ class ModelRunner:
             )
             banned, dead_rows = self.grammars.banned(masks)
             batch_params.banned = None if banned is None else banned.to(self.device)
-            sampled = sample(logits.pop(0), batch_params)
+            sampled = sample(row_logits[: len(sampling)], batch_params)
             for row, (state, token, lp) in enumerate(
                     zip(sampling, sampled.token_ids, sampled.logprobs)):
                 # Its grammar allows no token (or not the one sampled, which only
@@ -218,6 +226,17 @@ class ModelRunner:
         for p, chunk_logits in zip(prompts, logits, strict=True):
             self._fill_prompt_logprobs(p, chunk_logits, result)
         return result
+
+    def _verify(self, spec: list[tuple[CachedRequestState, int, list[int]]],
+                logits: torch.Tensor, result: ModelRunnerOutput) -> None:
+        """Speculative decoding: keep what the target agrees with."""
+        seqs, at = [], 0
+        for state, _, draft in spec:
+            seqs.append(VerifyRows(state, draft, None, self._generator(state), at))
+            at += len(draft) + 1
+        for (state, _, _), tokens in zip(spec, verify(logits, seqs, self.model_cfg.vocab_size)):
+            state.token_ids.extend(tokens)
+            result.spec_tokens[state.request_id] = tokens
 
     def _generator(self, state: CachedRequestState) -> torch.Generator | None:
         seed = state.params.seed

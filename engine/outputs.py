@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.spec_decode.stats import SpecDecodeStats
+
 
 @dataclass
 class CompletionOutput:
@@ -61,3 +63,5 @@ class EngineStats:
     prefix_queries: int  # prompt tokens looked up in the prefix cache
     prefix_hits: int  # of those, tokens found
     num_steps: int = 0  # model steps run since start: grows while the engine makes progress
+    # Speculative decoding's counters (engine/spec_decode/stats.py); None without it.
+    spec_decode: SpecDecodeStats | None = None

@@ -96,11 +96,18 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     return SamplerOutput(token_list, logprobs)
 
 
-def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    greedy_tokens = logits.argmax(dim=-1)
+def probabilities(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The distribution ``sample`` draws a non-greedy row from (temperature,
+    top-k, top-p, min-p; penalties are the caller's): speculative decoding's
+    verifier (engine/spec_decode/verify.py) accepts against it."""
     logits = logits / batch.temperature[:, None]
     logits = _apply_top_k_top_p_min_p(logits, batch)
-    probs = torch.softmax(logits, dim=-1)
+    return torch.softmax(logits, dim=-1)
+
+
+def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    greedy_tokens = logits.argmax(dim=-1)
+    probs = probabilities(logits, batch)
     noise = torch.empty_like(probs)
     unseeded = [i for i, g in enumerate(batch.generators) if g is None]
     if unseeded:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from typing import TYPE_CHECKING
 
 from engine.config import SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager
@@ -22,10 +23,16 @@ from engine.scheduler_output import (
     SchedulerOutput,
 )
 
+if TYPE_CHECKING:
+    from engine.spec_decode.drafter import SpecDecoder
+
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
+                 spec: SpecDecoder | None = None):
         self.config = config
+        # Speculative decoding (engine/spec_decode/), or None.
+        self.spec = spec
         self.kv = kv
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
@@ -82,11 +89,16 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         out = SchedulerOutput()
         now = time.monotonic()
+        proposals = self.spec.propose(self.running) if self.spec is not None else {}
 
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
+            num_left = request.num_tokens - request.num_computed_tokens
+            proposal = proposals.get(request.request_id)
+            draft = proposal.token_ids if proposal is not None else []
+            num_new = self._chunk(num_left + len(draft), budget)
+            draft = draft[: max(num_new - num_left, 0)]  # what the budget leaves room for
             num_held = self.kv.num_held(request.request_id)
             while not self.kv.allocate_slots(request, num_new):
                 victim = self.running.pop()
@@ -96,7 +108,7 @@ class Scheduler:
                     break
             else:
                 out.scheduled.append(self._scheduled(request, request.num_computed_tokens,
-                                                     num_new, num_held))
+                                                     num_new, num_held, draft))
                 budget -= num_new
                 i += 1
                 continue
@@ -134,11 +146,14 @@ class Scheduler:
         return out
 
     def _scheduled(self, request: Request, start: int, num_new: int,
-                   num_held: int | None) -> ScheduledRequest:
-        """``num_held``: table entries the runner has; None: it has them all."""
+                   num_held: int | None, draft: list[int] | None = None) -> ScheduledRequest:
+        """``num_held``: table entries the runner has; None: it has them all.
+        ``draft``: proposed tokens, the last of the ``num_new``."""
+        draft = draft or []
         new_ids = [] if num_held is None else self.kv.block_ids(request.request_id, num_held)
         return ScheduledRequest(request.request_id, start, num_new, new_ids,
-                                sample=start + num_new == request.num_tokens)
+                                sample=start + num_new - len(draft) == request.num_tokens,
+                                draft_token_ids=draft, num_blocks_before=num_held or 0)
 
     def _new_request_data(self, request: Request) -> NewRequestData:
         return NewRequestData(
@@ -158,6 +173,10 @@ class Scheduler:
             self.requests[request_id].prompt_logprobs.extend(entries)
         for s in out.scheduled:
             request = self.requests[s.request_id]
+            if s.draft_token_ids:
+                self._accept(request, s, result.spec_tokens[request.request_id])
+                changed.append(request)
+                continue
             request.num_computed_tokens = s.end
             if not s.sample:
                 continue
@@ -185,6 +204,27 @@ class Scheduler:
             self.finish(request.request_id, RequestStatus.FINISHED_GRAMMAR)
             changed.append(request)
         return changed
+
+    def _accept(self, request: Request, s: ScheduledRequest, tokens: list[int]) -> None:
+        """Append what verifying ``s``'s proposal kept (accepted drafts, then
+        the target's own token), stopping at the first token that ends the
+        request, and roll back the rest.
+
+        Rollback: KV is valid up to the last accepted draft, so every token
+        but the last new one is computed; slots past that hold rejected
+        drafts' KV and are rewritten next step. The blocks that held only
+        rejected tokens go back to the pool. The prefix cache never saw
+        them: ``allocate_slots`` publishes full blocks of the request's own
+        tokens only, and drafts are not among them until accepted."""
+        self.spec.observe(request.request_id, len(s.draft_token_ids), len(tokens) - 1)
+        for token in tokens:
+            request.append_token(token)
+            self.check_stop(request, token)
+            if request.finished:
+                break
+        request.num_computed_tokens = request.num_tokens - 1
+        if not request.finished:
+            self.kv.trim(request, request.num_tokens)
 
     # ---- finishing ---------------------------------------------------------
 
@@ -269,6 +309,8 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self._forget(request)
+        if self.spec is not None:
+            self.spec.forget(request.request_id)
         self.kv.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
@@ -286,6 +328,8 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         self._forget(request)
+        if self.spec is not None:
+            self.spec.forget(request.request_id)
         if request.hold_blocks:
             return
         self.kv.free(request)

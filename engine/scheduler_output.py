@@ -37,14 +37,21 @@ class NewRequestData:
 @dataclass
 class ScheduledRequest:
     """Compute ``num_new_tokens`` tokens of a request from position
-    ``start``; the runner appends ``new_block_ids`` to its block table first.
-    ``sample``: the chunk reaches the request's last token, so sample after it."""
+    ``start``; the runner first writes ``new_block_ids`` into its block table
+    from entry ``num_blocks_before`` on (the table can shrink: speculative
+    slots that were rejected are given back).
+    ``sample``: the chunk reaches the request's last token, so sample after it.
+    ``draft_token_ids``: speculative decoding's proposal, the last
+    ``len(draft_token_ids)`` of the new tokens (they follow the request's
+    last token): verify them (engine/spec_decode/verify.py)."""
 
     request_id: str
     start: int
     num_new_tokens: int
     new_block_ids: list[int]
     sample: bool
+    draft_token_ids: list[int] = field(default_factory=list)
+    num_blocks_before: int = 0
 
     @property
     def end(self) -> int:
@@ -89,3 +96,6 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[dict[int, float] | None]] = field(default_factory=dict)
     # Sampled rows whose grammar allowed no token: no token, they finish (structured outputs).
     grammar_dead_ends: list[str] = field(default_factory=list)
+    # Speculating requests (those scheduled with draft tokens): the tokens
+    # verification kept, in order (accepted drafts, then the target's own).
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)

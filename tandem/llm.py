@@ -10,6 +10,7 @@ from engine.config import (
     CacheConfig,
     EngineConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     default_of,
     engine_config_from_flat,
 )
@@ -42,6 +43,9 @@ def engine_config(
     max_n: int = default_of(SchedulerConfig, "max_n"),
     long_prefill_token_threshold: int | None = default_of(SchedulerConfig,
                                                           "long_prefill_token_threshold"),
+    # NOTE: None, EngineConfig's default, spelled out: ruff's B008 refuses a
+    # call in the default of a field that is not of an immutable type.
+    speculative_config: SpeculativeConfig | dict[str, Any] | None = None,
 ) -> EngineConfig:
     """Build an EngineConfig from vLLM-style keyword arguments (defaults: the
     config dataclasses')."""
@@ -54,6 +58,7 @@ def engine_config(
         enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, max_n=max_n,
         long_prefill_token_threshold=long_prefill_token_threshold,
+        speculative_config=speculative_config,
     )
 
 

@@ -53,7 +53,7 @@ def test_scheduler_output_is_plain_data():
     """No Request objects or tensors cross from the scheduler to the runner."""
     allowed = {"str", "int", "bool", "list[int]", "list[str]", "tuple[int, ...]",
                "SamplingParams", "list[NewRequestData]", "list[ScheduledRequest]",
-               "dict[str, int]", "dict[str, dict[int, float]]",
+               "dict[str, int]", "dict[str, list[int]]", "dict[str, dict[int, float]]",
                "dict[str, list[dict[int, float] | None]]"}
     for cls in (scheduler_output.NewRequestData, scheduler_output.ScheduledRequest,
                 scheduler_output.SchedulerOutput, scheduler_output.ModelRunnerOutput):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import ipaddress
 import logging
 import os
@@ -87,7 +88,13 @@ async def serve(make_worker: WorkerFactory, args: argparse.Namespace) -> None:
     if args.cpu_cores is not None:
         cores = pin_to_cores(args.cpu_cores)
         logger.info("computing on cores %s", format_cores(cores))
-    engine = LLMEngine(config_from_args(args))
+    config = config_from_args(args)
+    if args.role == "prefill" and config.speculative_config is not None:
+        # NOTE: a prefill worker samples one token per request: nothing to
+        # speculate on. The flag is accepted so one command line serves both roles.
+        logger.info("prefill worker: --speculative-config ignored")
+        config = dataclasses.replace(config, speculative_config=None)
+    engine = LLMEngine(config)
     tls = args.tls
     # A worker's callers are the gateway and other workers: all show a
     # certificate the CA signed (mTLS).

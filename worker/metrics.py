@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from engine.spec_decode.stats import SpecDecodeStats
 from rpc.metrics import LATENCY_BUCKETS, RequestMetrics
 
 
@@ -41,6 +42,17 @@ class WorkerMetrics(RequestMetrics):
                                     "KV transport bandwidth to a peer, measured by the preflight on first contact",
                                     ["transport", "peer"], registry=r)
         self._prefix_seen = (0, 0)
+        # Speculative decoding, as vLLM names it (zero without speculation).
+        self.spec_drafts = Counter("vllm:spec_decode_num_drafts",
+                                   "Proposals verified (one per sequence per step)", registry=r)
+        self.spec_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens",
+                                         "Tokens proposed and verified", registry=r)
+        self.spec_accepted_tokens = Counter("vllm:spec_decode_num_accepted_tokens",
+                                            "Proposed tokens accepted", registry=r)
+        self.spec_accepted_per_pos = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Proposals whose token at this position was accepted", ["position"], registry=r)
+        self._spec_seen = SpecDecodeStats()
 
     def observe_engine(self, engine) -> None:
         """Refresh the gauges and counters that mirror engine state (every step)."""
@@ -52,6 +64,18 @@ class WorkerMetrics(RequestMetrics):
         self.prefix_queries.inc(q - self._prefix_seen[0])
         self.prefix_hits.inc(h - self._prefix_seen[1])
         self._prefix_seen = (q, h)
+        if stats.spec_decode is not None:
+            self._observe_spec(stats.spec_decode)
+
+    def _observe_spec(self, now: SpecDecodeStats) -> None:
+        seen = self._spec_seen
+        self.spec_drafts.inc(now.num_drafts - seen.num_drafts)
+        self.spec_draft_tokens.inc(now.num_draft_tokens - seen.num_draft_tokens)
+        self.spec_accepted_tokens.inc(now.num_accepted_tokens - seen.num_accepted_tokens)
+        for pos, count in enumerate(now.accepted_per_pos):
+            before = seen.accepted_per_pos[pos] if pos < len(seen.accepted_per_pos) else 0
+            self.spec_accepted_per_pos.labels(str(pos)).inc(count - before)
+        self._spec_seen = now
 
     def observe_transfer(self, transport: str, direction: str, nbytes: int, seconds: float,
                          ok: bool) -> None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tandem.bench import spec_metrics
 from tandem.bench.arrivals import arrival_offsets, parse_rates, rate_label
 from tandem.bench.datasets import (
     BenchRequest,
@@ -50,6 +51,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="let requests stop at EOS (output lengths are then not exact)")
     p.add_argument("--warmup", type=int, default=1,
                    help="short requests sent first and not measured (default 1)")
+    p.add_argument("--metrics-url", default=None,
+                   help="Prometheus /metrics to read speculative decoding's acceptance from "
+                        "before and after the run (default: the server's own /metrics for "
+                        "http URLs; for Tandem, a decode worker's --metrics-port)")
     p.add_argument("--result-dir", type=Path, default=Path("bench_results"))
     p.add_argument("--label", default="serve", help="file name prefix for the results")
     p.add_argument("--no-progress", dest="progress", action="store_false")
@@ -156,12 +161,22 @@ def run(args: argparse.Namespace) -> int:
     model = args.model or _served_model(args.url, args.api_key)
     print(f"dataset {args.dataset}: {len(requests)} requests, seed {args.seed}, "
           f"hash {stream_hash(requests)}")
+    metrics_url = args.metrics_url or (f"{args.url.rstrip('/')}/metrics"
+                                       if args.url.startswith("http") else None)
+    spec_before = spec_metrics.scrape(metrics_url) if metrics_url else None
     points = asyncio.run(_run(args, model, requests, rates, slos))
+    spec_after = spec_metrics.scrape(metrics_url) if spec_before is not None else None
+    spec = (spec_after - spec_before).summary() if spec_after is not None else None
     for point in points:
         errors = [r.error for r in point.result.records if r.error]
         if errors:
             print(f"{len(errors)} failed; first error: {errors[0]}", file=sys.stderr)
         print(report.summary(point.metrics, f"{args.label} @ {point.rate_label} req/s"))
+    if spec is not None:
+        print(f"speculative decoding (all rates): acceptance {spec['acceptance_rate']:.2f}, "
+              f"mean accepted length {spec['mean_accepted_length']:.2f} "
+              f"({spec['num_accepted_tokens']:.0f} of {spec['num_draft_tokens']:.0f} "
+              f"proposed tokens)")
     print(DEFINITIONS)
     out = args.result_dir
     report.write_json(out / f"{args.label}.json", {
@@ -170,6 +185,7 @@ def run(args: argparse.Namespace) -> int:
         "url": args.url, "model": model, "definitions": DEFINITIONS,
         "dataset": {"name": args.dataset, "num_prompts": len(requests), "seed": args.seed,
                     "hash": stream_hash(requests)},
+        "spec_decode": spec,
         "slos_ms": slos, "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
         "runs": [{"request_rate": p.rate_label, "stream_hash": p.stream_hash,
                   "metrics": report.to_dict(p.metrics),

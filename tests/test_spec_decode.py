@@ -18,6 +18,7 @@ hit on them: two ways around that, each asserting that drafts were accepted
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -264,6 +265,27 @@ def test_ngram_greedy_output_is_unchanged(model):
     assert generate(engine, prompts, params) == ref
     stats = spec_stats(engine)
     assert stats.num_accepted_tokens > 0 and stats.accepted_per_pos[0] > 0
+    assert_all_free(engine)
+
+
+def test_a_constrained_request_beside_speculating_ones():
+    """A request with a structured output does not speculate (the verifier
+    applies no grammar mask): it keeps its grammar, and the others' greedy
+    output and speculation are unchanged."""
+    d = bigram("llama-gqa")
+    prompts = random_prompts([6, 9, 12], seed=7)
+    free = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    constrained = SamplingParams(temperature=0, max_tokens=40,
+                                 structured_outputs={"regex": "[0-9]{3}-[a-c]{2}"})
+    ref = generate(make_engine(d), prompts[:2], free)
+    engine = make_engine(d, speculative_config=NGRAM)
+    for i, p in enumerate(prompts[:2]):
+        engine.add_request(str(i), p, free)
+    engine.add_request("c", prompts[2], constrained)
+    done = run_to_completion(engine)
+    assert {k: [c.token_ids for c in done[k].outputs] for k in ("0", "1")} == ref
+    assert re.fullmatch("[0-9]{3}-[a-c]{2}", done["c"].outputs[0].text)
+    assert spec_stats(engine).num_accepted_tokens > 0
     assert_all_free(engine)
 
 

@@ -20,6 +20,22 @@ DTYPE_CHOICES = ("auto", *DTYPES)  # what a user may ask for
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 LOAD_FORMATS = ("auto", "dummy")
 QUANTIZATIONS = ("gptq", "awq")
+# --- KV cache dtype (issue 16) ---
+# How the paged KV cache stores keys and values: "auto" in the model's dtype;
+# "fp8" (= "fp8_e4m3") or "fp8_e5m2" in 8 bits, each value divided by a
+# per-tensor scale (engine/kv_quant.py). Bytes per element of every name a
+# cache may be stored in, model dtypes included (the KV wire layout uses them).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+KV_DTYPE_SIZES = {**DTYPE_SIZES, "fp8_e4m3": 1, "fp8_e5m2": 1}
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: str) -> str:
+    """The name the cache is stored in: ``dtype`` (the model's, resolved) for
+    "auto", "fp8_e4m3" for "fp8", else ``kv_cache_dtype`` itself."""
+    if kv_cache_dtype == "auto":
+        return dtype
+    return "fp8_e4m3" if kv_cache_dtype == "fp8" else kv_cache_dtype
+# --- end KV cache dtype ---
 _REQUIRED_KEYS = (
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
 )
@@ -148,6 +164,9 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
+    # "auto": the model's dtype; "fp8"/"fp8_e4m3"/"fp8_e5m2": 8-bit KV, twice
+    # the blocks for the same bytes (KV_CACHE_DTYPES above).
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size > 256:
@@ -160,6 +179,11 @@ class CacheConfig:
             )
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {self.num_blocks}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -205,6 +229,10 @@ class EngineConfig:
     # None: as the checkpoint's quantization_config says. "gptq" / "awq":
     # the same, but a checkpoint quantized otherwise (or not at all) is refused.
     quantization: str | None = None
+    # GB (10**9 bytes) of weights kept in pinned host memory and streamed to
+    # the accelerator for each forward (engine/weight_offload.py). 0: none.
+    # Refused on the CPU device, where there is no separate device memory.
+    cpu_offload_gb: float = 0.0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -216,6 +244,13 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(
                 f"quantization must be 'gptq' or 'awq' (or unset), got {self.quantization!r}"
+            )
+        if self.cpu_offload_gb < 0:
+            raise ValueError(f"cpu_offload_gb must be >= 0, got {self.cpu_offload_gb}")
+        if self.cpu_offload_gb > 0 and not self.device.startswith("cuda"):
+            raise ValueError(
+                f"cpu_offload_gb only means something with an accelerator: on the "
+                f"{self.device!r} device the weights are in host memory already; leave it at 0"
             )
         if self.tensor_parallel_size < 1:
             raise ValueError(

@@ -63,8 +63,8 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.num_steps = 0  # steps that ran the model: a liveness signal for callers
         logger.info(
-            "dtype %s; KV cache: %d blocks = %d tokens (block_size %d, %.1f MiB); "
-            "max_model_len %d", config.dtype,
+            "dtype %s; KV cache: %s, %d blocks = %d tokens (block_size %d, %.1f MiB); "
+            "max_model_len %d", config.dtype, self.kv_cache_spec.name,
             self.runner.num_blocks, self.runner.num_blocks * cache.block_size,
             cache.block_size, self.runner.num_blocks * self.runner.block_bytes / 2**20,
             self.max_model_len,
@@ -231,6 +231,11 @@ class LLMEngine:
     @property
     def block_size(self) -> int:
         return self.kv.block_size
+
+    @property
+    def kv_cache_spec(self):
+        """What the KV cache is stored in (``engine.kv_quant.KVCacheSpec``)."""
+        return self.runner.shard.kv_spec
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return self.kv.num_blocks_for(num_tokens)

@@ -16,6 +16,7 @@ from kernels._checks import (
     check_cache_pair,
     check_last_dim_contiguous,
     check_tensor,
+    fp8_max,
     next_power_of_2,
 )
 
@@ -33,10 +34,13 @@ def _store_kv_kernel(
     stride_vh,
     stride_cache_slot,  # block_size * num_kv_heads * head_dim: the cache is contiguous
     stride_cache_head,
+    k_scale,  # an fp8 cache stores x / scale, clamped to +-FP8_MAX
+    v_scale,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEADS_PAD: tl.constexpr,
     DIM_PAD: tl.constexpr,
+    FP8_MAX: tl.constexpr,  # 0.0: the cache is in a float dtype
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -52,8 +56,13 @@ def _store_kv_kernel(
     k = tl.load(key_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
     v = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
     # Through float32: the interpreter converts bfloat16 only to and from float32.
-    tl.store(k_cache_ptr + dst, k.to(tl.float32).to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + dst, v.to(tl.float32).to(v_cache_ptr.dtype.element_ty), mask=mask)
+    k = k.to(tl.float32)
+    v = v.to(tl.float32)
+    if FP8_MAX > 0:
+        k = tl.minimum(tl.maximum(k / k_scale, -FP8_MAX), FP8_MAX)
+        v = tl.minimum(tl.maximum(v / v_scale, -FP8_MAX), FP8_MAX)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def store_kv(
@@ -62,8 +71,11 @@ def store_kv(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens] int, -1 = do not store
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Write each token's key and value into its cache slot (in place).
+    """Write each token's key and value into its cache slot (in place); an
+    fp8 cache gets ``reference.quantize_kv`` of them with the scales.
 
     Slots must be below ``num_blocks * block_size``; that is not checked,
     because checking would read the device tensor back to the host.
@@ -99,9 +111,12 @@ def store_kv(
         value.stride(1),
         k_cache.stride(1),
         k_cache.stride(2),
+        float(k_scale),
+        float(v_scale),
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         HEADS_PAD=heads_pad,
         DIM_PAD=dim_pad,
+        FP8_MAX=fp8_max(k_cache.dtype),
         num_warps=max(1, min(8, heads_pad * dim_pad // 512)),
     )

@@ -22,6 +22,22 @@ from kernels._checks import (
 
 
 @triton.jit
+def _round_to_fp8(x, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr):
+    """``x`` (float32, within the fp8 range) rounded to the nearest fp8 value,
+    ties to even, still in float32: the conversion that follows is then exact.
+
+    NOTE: the Triton interpreter's float32 -> fp8 rounding drops the carry when
+    the mantissa rounds up (7.9 becomes 4.0); rounding here first makes the
+    stored bytes the same as torch's on every device.
+    """
+    bits = x.to(tl.int32, bitcast=True)
+    exp = tl.maximum(((bits >> 23) & 0xFF) - 127, MIN_EXP)  # subnormals share MIN_EXP's step
+    step = ((exp - MANTISSA + 127) << 23).to(tl.float32, bitcast=True)
+    magic = 12582912.0  # 1.5 * 2**23: adding and subtracting it rounds to an integer, ties even
+    return ((x / step + magic) - magic) * step
+
+
+@triton.jit
 def _store_kv_kernel(
     key_ptr,
     value_ptr,
@@ -41,6 +57,8 @@ def _store_kv_kernel(
     HEADS_PAD: tl.constexpr,
     DIM_PAD: tl.constexpr,
     FP8_MAX: tl.constexpr,  # 0.0: the cache is in a float dtype
+    FP8_MANTISSA: tl.constexpr,
+    FP8_MIN_EXP: tl.constexpr,
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -61,6 +79,8 @@ def _store_kv_kernel(
     if FP8_MAX > 0:
         k = tl.minimum(tl.maximum(k / k_scale, -FP8_MAX), FP8_MAX)
         v = tl.minimum(tl.maximum(v / v_scale, -FP8_MAX), FP8_MAX)
+        k = _round_to_fp8(k, FP8_MANTISSA, FP8_MIN_EXP)
+        v = _round_to_fp8(v, FP8_MANTISSA, FP8_MIN_EXP)
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -118,5 +138,7 @@ def store_kv(
         HEADS_PAD=heads_pad,
         DIM_PAD=dim_pad,
         FP8_MAX=fp8_max(k_cache.dtype),
+        FP8_MANTISSA=3 if k_cache.dtype == torch.float8_e4m3fn else 2,
+        FP8_MIN_EXP=-6 if k_cache.dtype == torch.float8_e4m3fn else -14,
         num_warps=max(1, min(8, heads_pad * dim_pad // 512)),
     )

@@ -18,6 +18,7 @@ from engine.kv_quant import KVCacheSpec, check_kv_cache_support
 from engine.loader.weights import iterate_weights
 from engine.models import build_model
 from engine.parallel import TensorParallel
+from engine.weight_offload import WeightOffload
 
 logger = logging.getLogger("engine")
 
@@ -48,8 +49,21 @@ class ModelShard:
         else:
             self.model.load_weights(iterate_weights(model_dir))
         self.model.eval()
+        self.offload = self._offload_weights()
         self.num_kv_heads = tp.split(model_cfg.num_kv_heads, "num_key_value_heads")
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def _offload_weights(self) -> WeightOffload | None:
+        """``cpu_offload_gb`` of this rank's decoder layers to pinned host memory."""
+        if not self.config.cpu_offload_gb:
+            return None
+        offload = WeightOffload(list(self.model.layers), self.config.cpu_offload_gb,
+                                self.device, pin=self.device.type == "cuda")
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # so that the KV cache sizing sees the memory freed
+        logger.info("cpu offload: %d decoder layers, %.2f GB of weights in host memory",
+                    offload.num_layers, offload.bytes_offloaded / 1e9)
+        return offload
 
     @torch.no_grad()
     def _init_dummy_weights(self) -> None:

@@ -7,7 +7,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from engine.quantization import QuantConfig
+from engine.quantization import CompressedConfig, QuantConfig, quant_config_from_dict
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
@@ -19,7 +19,9 @@ DTYPES = tuple(DTYPE_SIZES)
 DTYPE_CHOICES = ("auto", *DTYPES)  # what a user may ask for
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 LOAD_FORMATS = ("auto", "dummy")
-QUANTIZATIONS = ("gptq", "awq")
+# "compressed-tensors": insist on such a checkpoint (FP8/INT8 weights); "fp8":
+# such a checkpoint, or quantize a float one's linear layers at load.
+QUANTIZATIONS = ("gptq", "awq", "compressed-tensors", "fp8")
 # --- KV cache dtype (issue 16) ---
 # How the paged KV cache stores keys and values: "auto" in the model's dtype;
 # "fp8" (= "fp8_e4m3") or "fp8_e5m2" in 8 bits, each value divided by a
@@ -62,8 +64,9 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    # GPTQ/AWQ weight-only quantization of the decoder's linear layers.
-    quantization: QuantConfig | None = None
+    # GPTQ/AWQ weight-only quantization, or 8-bit compressed-tensors weights,
+    # of the decoder's linear layers.
+    quantization: QuantConfig | CompressedConfig | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -120,8 +123,8 @@ class ModelConfig:
             sliding_window=sliding,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            quantization=QuantConfig.from_dict(quant) if (quant := cfg.get("quantization_config"))
-            else None,
+            quantization=quant_config_from_dict(quant)
+            if (quant := cfg.get("quantization_config")) else None,
         )
 
     @classmethod
@@ -243,7 +246,8 @@ class EngineConfig:
             )
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(
-                f"quantization must be 'gptq' or 'awq' (or unset), got {self.quantization!r}"
+                f"quantization must be one of {', '.join(QUANTIZATIONS)} (or unset), "
+                f"got {self.quantization!r}"
             )
         if self.cpu_offload_gb < 0:
             raise ValueError(f"cpu_offload_gb must be >= 0, got {self.cpu_offload_gb}")

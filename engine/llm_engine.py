@@ -31,6 +31,7 @@ from engine.loader.resolve import resolve_model_dir
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
 from engine.outputs import EngineStats, KVProgress, RequestOutput
+from engine.quantization import CompressedConfig
 from engine.request import Request, RequestStatus
 from engine.request_checks import check_request
 from engine.sampling_params import SamplingParams
@@ -334,6 +335,12 @@ class LLMEngine:
     def _check_quantization(self) -> None:
         asked = self.config.quantization
         found = self.model_config.quantization
+        if asked == "fp8" and found is None:  # quantize the float checkpoint at load
+            self.model_config = dataclasses.replace(self.model_config,
+                                                    quantization=CompressedConfig.online_fp8())
+            return
+        if asked == "fp8" and getattr(found, "weight_type", None) == "float":
+            return  # an FP8 compressed-tensors checkpoint is what fp8 asks for
         if asked is not None and (found is None or found.method != asked):
             have = f"{found.method}-quantized" if found else "not quantized"
             raise ValueError(f"quantization={asked!r} was asked for, but {self.model_dir} is "

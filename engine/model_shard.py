@@ -48,6 +48,9 @@ class ModelShard:
             self._init_dummy_weights()
         else:
             self.model.load_weights(iterate_weights(model_dir))
+        for module in self.model.modules():  # quantization="fp8": quantize what was loaded
+            if hasattr(module, "finish_loading"):
+                module.finish_loading()
         self.model.eval()
         self.offload = self._offload_weights()
         self.num_kv_heads = tp.split(model_cfg.num_kv_heads, "num_key_value_heads")

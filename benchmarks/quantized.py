@@ -4,7 +4,8 @@ drifts from float, and what the CPU path costs.
     PYTHONPATH=. python benchmarks/quantized.py [--max-tokens 32]
 
 Quantizes the bundled model (GPTQ 8-bit and AWQ 4-bit, groups of 64: 576,
-SmolLM2's width, is not a multiple of 128) into a temporary directory, runs
+SmolLM2's width, is not a multiple of 128; compressed-tensors FP8 and INT8,
+weight-only and with dynamic per-token inputs) into a temporary directory, runs
 four fixed prompts greedily on each and on the float model, and reports for
 each prompt how many leading tokens equal float's, and output tokens per
 second. On the CPU the torch reference dequantizes every weight on every
@@ -49,6 +50,11 @@ def main() -> None:
             "float32": None,
             "gptq-8bit-g64": str(quantize_model(None, Path(tmp) / "g8", "gptq", 8, 64)),
             "awq-4bit-g64": str(quantize_model(None, Path(tmp) / "a4", "awq", 4, 64)),
+            # compressed-tensors 8-bit weights (per-channel scales).
+            "fp8-w8a16": str(quantize_model(None, Path(tmp) / "f8", "fp8-w8a16", 8, -1)),
+            "fp8-w8a8": str(quantize_model(None, Path(tmp) / "f8a", "fp8", 8, -1)),
+            "int8-w8a16": str(quantize_model(None, Path(tmp) / "i8", "int8-w8a16", 8, -1)),
+            "int8-w8a8": str(quantize_model(None, Path(tmp) / "i8a", "int8", 8, -1)),
         }
         tokens, speed = {}, {}
         for name, path in variants.items():

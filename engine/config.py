@@ -170,6 +170,10 @@ class CacheConfig:
     # "auto": the model's dtype; "fp8"/"fp8_e4m3"/"fp8_e5m2": 8-bit KV, twice
     # the blocks for the same bytes (KV_CACHE_DTYPES above).
     kv_cache_dtype: str = "auto"
+    # GiB of host memory that keeps prefix-cache blocks evicted from the
+    # cache, to copy back on a later hit instead of recomputing them
+    # (engine/host_kv_tier.py). 0: none. Needs prefix caching.
+    host_kv_cache_gib: float = 0.0
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size > 256:
@@ -182,6 +186,11 @@ class CacheConfig:
             )
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {self.num_blocks}")
+        if self.host_kv_cache_gib < 0:
+            raise ValueError(f"host_kv_cache_gib must be >= 0, got {self.host_kv_cache_gib}")
+        if self.host_kv_cache_gib and not self.enable_prefix_caching:
+            raise ValueError("host_kv_cache_gib keeps prefix-cache blocks: it needs "
+                             "enable_prefix_caching")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "

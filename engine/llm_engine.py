@@ -26,6 +26,8 @@ from collections.abc import Callable, Sequence
 from engine.completions import split_completions
 from engine.config import EngineConfig, ModelConfig
 from engine.dtypes import resolve_dtype
+from engine.host_kv_store import HostKVStore
+from engine.host_kv_tier import HostKVTier
 from engine.kv_cache_manager import KVCacheManager
 from engine.loader.resolve import resolve_model_dir
 from engine.model_runner import ModelRunner
@@ -60,6 +62,7 @@ class LLMEngine:
         cache = config.cache
         self.kv = KVCacheManager(self.runner.num_blocks, cache.block_size,
                                  cache.enable_prefix_caching)
+        self._attach_host_tier()
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.num_steps = 0  # steps that ran the model: a liveness signal for callers
@@ -227,6 +230,8 @@ class LLMEngine:
             num_free_blocks=kv.num_free_blocks, kv_usage=kv.usage,
             prefix_queries=kv.prefix_queries, prefix_hits=kv.prefix_hits,
             num_steps=self.num_steps,
+            host_tier_restored_blocks=kv.host_tier.blocks_restored if kv.host_tier else 0,
+            host_tier_bytes=kv.host_tier.bytes_moved if kv.host_tier else 0,
         )
 
     @property
@@ -331,6 +336,17 @@ class LLMEngine:
         self.runner.tp.on_broken.append(callback)
 
     # ---- config ------------------------------------------------------------------
+
+    def _attach_host_tier(self) -> None:
+        """``cache.host_kv_cache_gib`` of host memory under the prefix cache."""
+        gib = self.config.cache.host_kv_cache_gib
+        if not gib:
+            return
+        block_bytes = self.runner.block_bytes * self.config.tensor_parallel_size
+        slots = int(gib * 2**30) // block_bytes
+        store = HostKVStore(self.runner.kv_blocks, self.model_config.num_layers, max(slots, 1))
+        self.kv.attach_host_tier(HostKVTier(slots, block_bytes, store.copy_out, store.copy_in))
+        logger.info("host KV tier: %d blocks (%.2f GiB)", slots, slots * block_bytes / 2**30)
 
     def _check_quantization(self) -> None:
         asked = self.config.quantization

@@ -61,3 +61,5 @@ class EngineStats:
     prefix_queries: int  # prompt tokens looked up in the prefix cache
     prefix_hits: int  # of those, tokens found
     num_steps: int = 0  # model steps run since start: grows while the engine makes progress
+    host_tier_restored_blocks: int = 0  # prefix-cache blocks copied back from host memory
+    host_tier_bytes: int = 0  # bytes moved between the KV cache and the host tier, both ways

@@ -41,6 +41,14 @@ class WorkerMetrics(RequestMetrics):
                                     "KV transport bandwidth to a peer, measured by the preflight on first contact",
                                     ["transport", "peer"], registry=r)
         self._prefix_seen = (0, 0)
+        self.host_tier_restored = Counter(
+            "tandem:kv_host_tier_restored_blocks",
+            "Prefix-cache blocks copied back from the host KV tier instead of recomputed",
+            registry=r)
+        self.host_tier_bytes = Counter("tandem:kv_host_tier_bytes",
+                                       "Bytes moved between the KV cache and the host tier",
+                                       registry=r)
+        self._tier_seen = (0, 0)
 
     def observe_engine(self, engine) -> None:
         """Refresh the gauges and counters that mirror engine state (every step)."""
@@ -52,6 +60,10 @@ class WorkerMetrics(RequestMetrics):
         self.prefix_queries.inc(q - self._prefix_seen[0])
         self.prefix_hits.inc(h - self._prefix_seen[1])
         self._prefix_seen = (q, h)
+        restored, moved = stats.host_tier_restored_blocks, stats.host_tier_bytes
+        self.host_tier_restored.inc(restored - self._tier_seen[0])
+        self.host_tier_bytes.inc(moved - self._tier_seen[1])
+        self._tier_seen = (restored, moved)
 
     def observe_transfer(self, transport: str, direction: str, nbytes: int, seconds: float,
                          ok: bool) -> None:

@@ -19,7 +19,7 @@ def layout_of(engine) -> KVLayout:
         num_layers=cfg.num_layers,
         num_kv_heads=cfg.num_kv_heads,
         head_dim=cfg.head_dim,
-        kv_cache_dtype=kv.name,
+        kv_cache_dtype=kv.name if kv.name != engine.config.dtype else "",
         kv_scales=kv.scales,
     )
 

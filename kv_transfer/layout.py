@@ -23,21 +23,25 @@ class KVLayout:
     layout: str = LAYOUT_NHD
     tp_rank_map: tuple[int, ...] = (0,)
     wire_version: int = WIRE_VERSION
-    # What the blocks are stored in ("": the model's ``dtype``), and an fp8
-    # cache's per-tensor (k, v) scales (engine/kv_quant.py). Both ends must
-    # agree on both: an fp8 block read with another dtype or scale is garbage.
+    # What the blocks are stored in when not the model's ``dtype`` ("": that
+    # dtype; peers from before the field send ""), and an fp8 cache's
+    # per-tensor (k, v) scales (engine/kv_quant.py). Both ends must agree on
+    # both: an fp8 block read with another dtype or scale is garbage.
     kv_cache_dtype: str = ""
     kv_scales: tuple[float, float] = (1.0, 1.0)
 
     def __post_init__(self) -> None:
-        if not self.kv_cache_dtype:  # normalised, so "" and the dtype compare equal
-            object.__setattr__(self, "kv_cache_dtype", self.dtype)
         object.__setattr__(self, "kv_scales", tuple(float(x) for x in self.kv_scales))
+
+    @property
+    def cache_dtype(self) -> str:
+        """The dtype the blocks travel in."""
+        return self.kv_cache_dtype or self.dtype
 
     @property
     def block_bytes_per_layer(self) -> int:
         """K and V of one block in one layer."""
-        elem = KV_DTYPE_SIZES[self.kv_cache_dtype]
+        elem = KV_DTYPE_SIZES[self.cache_dtype]
         return 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
 
     def to_proto(self) -> worker_pb2.KVLayout:
@@ -61,12 +65,17 @@ class KVLayout:
         diffs = [
             f"{name}: this worker {mine!r}, {other_name} {theirs!r}"
             for name, mine, theirs in (
-                (f.name, getattr(self, f.name), getattr(other, f.name)) for f in _fields()
+                (f.name, _shown(self, f.name), _shown(other, f.name)) for f in _fields()
             )
             if mine != theirs
         ]
         if diffs:
             raise LayoutMismatch("KV layout mismatch (" + "; ".join(diffs) + ")")
+
+
+def _shown(layout: KVLayout, name: str):
+    """A field as compared and reported: the cache dtype in full."""
+    return layout.cache_dtype if name == "kv_cache_dtype" else getattr(layout, name)
 
 
 def _fields():

@@ -159,3 +159,25 @@ def test_backends_store_and_attend_alike_over_an_fp8_cache(dtype):
     (out_t, kt, vt), (out_tr, ktr, vtr) = results
     assert torch.equal(kt, ktr) and torch.equal(vt, vtr)
     torch.testing.assert_close(out_tr, out_t, atol=1e-5, rtol=1e-5)
+
+
+def test_layout_carries_the_cache_dtype_and_scales_and_refuses_a_mismatch():
+    import grpc
+
+    from kv_transfer.layout import KVLayout
+    from rpc.errors import LayoutMismatch, status_for
+
+    base = dict(model_fingerprint="ab", dtype="bfloat16", block_size=16, num_layers=2,
+                num_kv_heads=2, head_dim=64)
+    plain = KVLayout(**base)
+    fp8 = KVLayout(**base, kv_cache_dtype="fp8_e4m3", kv_scales=(0.5, 2.0))
+    assert KVLayout.from_proto(fp8.to_proto()) == fp8
+    assert KVLayout.from_proto(plain.to_proto()) == plain
+    assert plain == KVLayout(**base, kv_cache_dtype="")  # "" is the model's dtype
+    assert 2 * fp8.block_bytes_per_layer == plain.block_bytes_per_layer
+    with pytest.raises(LayoutMismatch) as exc:
+        fp8.check_compatible(plain, "decode worker d1")
+    msg = str(exc.value)
+    assert "kv_cache_dtype: this worker 'fp8_e4m3', decode worker d1 'bfloat16'" in msg
+    assert "kv_scales: this worker (0.5, 2.0), decode worker d1 (1.0, 1.0)" in msg
+    assert status_for(exc.value) == grpc.StatusCode.FAILED_PRECONDITION

@@ -16,7 +16,11 @@ between two steps:
 
 A digest is kept with the bytes it was computed from (its preimage), so a
 colliding digest is a miss here as on the device (engine/prefix_hash.py).
-Preempted requests are not swapped here: they are recomputed, as before.
+Preempted requests go through the same path: the scheduler frees their
+blocks as published prefix-cache blocks, so blocks evicted while they wait
+are kept here and copied back when they resume (a hit is always copied back:
+one block's memcpy is far cheaper than computing its tokens); only the last,
+partial block is recomputed. There is no separate swap space.
 """
 
 from __future__ import annotations

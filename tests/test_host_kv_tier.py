@@ -74,3 +74,19 @@ def test_bad_settings_are_refused():
         CacheConfig(host_kv_cache_gib=-1.0)
     with pytest.raises(ValueError, match="more than half of this machine"):
         LLM(str(tiny("llama-gqa")[0]), num_blocks=8, host_kv_cache_gib=1 << 20)
+
+
+def test_a_preempted_request_resumes_from_the_host_tier_with_the_same_tokens():
+    # 12 blocks of 4 tokens for two requests that grow to 8 blocks each: the
+    # newest is preempted, its cached blocks are evicted by the other's
+    # growth into host memory, and when it resumes they come back.
+    model = str(tiny("llama-gqa")[0])
+    prompts = [prompt(5, 16), prompt(6, 16)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    roomy = LLM(model, dtype="float32", block_size=BLOCK, num_blocks=64)
+    want = [o.outputs[0].token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
+    llm = LLM(model, dtype="float32", block_size=BLOCK, num_blocks=12, host_kv_cache_gib=0.01)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert llm.engine.stats().host_tier_restored_blocks > 0
+    assert_all_free(llm.engine)

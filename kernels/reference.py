@@ -38,6 +38,14 @@ def quantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torc
 
 def dequantize_kv(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     """Cached keys or values in float32: ``x * scale`` for an 8-bit cache."""
+    if x.dtype == torch.float8_e4m3fn and x.device.type == "cpu":
+        # NOTE: torch widens e4m3 on the CPU one element at a time. Its sign,
+        # exponent and mantissa bits placed in a float16 read as the value
+        # times 2**-8 (normal and subnormal alike, the exponent biases differ
+        # by 8), which is exact for every finite e4m3 and twice as fast.
+        u = x.view(torch.uint8).to(torch.int16)
+        half = (((u & 0x80) << 8) | ((u & 0x7F) << 7)).view(torch.float16)
+        return half.float() * (256.0 * scale)
     out = x.float()
     return out * scale if x.dtype in FP8_KV_DTYPES and scale != 1.0 else out
 
@@ -101,8 +109,9 @@ def paged_decode_attention(
     max_blocks = (max_len + block_size - 1) // block_size
     table = block_tables[:, :max_blocks].long()
     # [num_seqs, kv_heads, max_len, dim]
-    keys = dequantize_kv(k_cache[table].flatten(1, 2)[:, :max_len].transpose(1, 2), k_scale)
-    values = dequantize_kv(v_cache[table].flatten(1, 2)[:, :max_len].transpose(1, 2), v_scale)
+    # (widened while contiguous: elementwise ops on the transposed view are slow)
+    keys = dequantize_kv(k_cache[table], k_scale).flatten(1, 2)[:, :max_len].transpose(1, 2)
+    values = dequantize_kv(v_cache[table], v_scale).flatten(1, 2)[:, :max_len].transpose(1, 2)
     positions = torch.arange(max_len, device=query.device)
     valid = positions[None, :] < seq_lens[:, None]  # [num_seqs, max_len]
     # NOTE: SDPA rather than matmul + softmax: on the CPU it reads the strided
@@ -146,8 +155,8 @@ def paged_prefill_attention(
         # [heads, q_len, dim], with kv heads repeated for grouped-query attention
         q = query[start:end].transpose(0, 1).float()
         group = num_heads // num_kv_heads
-        k = dequantize_kv(keys.transpose(0, 1), k_scale).repeat_interleave(group, 0)
-        v = dequantize_kv(values.transpose(0, 1), v_scale).repeat_interleave(group, 0)
+        k = dequantize_kv(keys, k_scale).transpose(0, 1).repeat_interleave(group, 0)
+        v = dequantize_kv(values, v_scale).transpose(0, 1).repeat_interleave(group, 0)
         # Query j sits at absolute position seq_len - q_len + j.
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
         k_pos = torch.arange(seq_len, device=query.device)

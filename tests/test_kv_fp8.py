@@ -51,6 +51,15 @@ def test_quantize_clamps_instead_of_overflowing_and_round_trips_within_a_mantiss
 
 
 @pytest.mark.parametrize("dtype", FP8, ids=FP8_IDS)
+def test_dequantize_is_exact_for_every_finite_byte(dtype):
+    values = torch.arange(256, dtype=torch.uint8).view(dtype)
+    finite = torch.isfinite(values.float())
+    for scale in (1.0, 0.5):
+        got = reference.dequantize_kv(values, scale)
+        assert torch.equal(got[finite], values.float()[finite] * scale)
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=FP8_IDS)
 def test_reference_store_writes_quantized_bytes_and_skips_negative_slots(dtype):
     k_cache = torch.zeros(4, 4, 2, 16, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)

@@ -56,18 +56,18 @@ def main() -> None:
             "int8-w8a16": str(quantize_model(None, Path(tmp) / "i8", "int8-w8a16", 8, -1)),
             "int8-w8a8": str(quantize_model(None, Path(tmp) / "i8a", "int8", 8, -1)),
         }
-        tokens, speed = {}, {}
-        for name, path in variants.items():
+        tokens = {}
+        print(f"{'model':<15} {'tok/s':>6}  leading tokens equal to float32 "
+              f"(of {args.max_tokens})", flush=True)
+        for name, path in variants.items():  # float32 first: the others compare with it
             llm = LLM(path, dtype="float32")
             llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
             start = time.perf_counter()
             outs = llm.generate(PROMPTS, params, use_tqdm=False)
-            speed[name] = len(PROMPTS) * args.max_tokens / (time.perf_counter() - start)
+            speed = len(PROMPTS) * args.max_tokens / (time.perf_counter() - start)
             tokens[name] = [o.outputs[0].token_ids for o in outs]
-    print(f"\n{'model':<15} {'tok/s':>6}  leading tokens equal to float32 (of {args.max_tokens})")
-    for name in variants:
-        same = [leading_matches(a, b) for a, b in zip(tokens["float32"], tokens[name])]
-        print(f"{name:<15} {speed[name]:>6.1f}  {same}")
+            same = [leading_matches(a, b) for a, b in zip(tokens["float32"], tokens[name])]
+            print(f"{name:<15} {speed:>6.1f}  {same}", flush=True)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from engine.quantization.compressed_config import CompressedConfig
+from kernels.reference import dequantize_kv
 
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
 
@@ -52,7 +53,9 @@ def quantize_weight(weight: torch.Tensor, cfg: CompressedConfig
 def dequantize_weight(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``q * scale`` in float32; ``scale`` per row (``[out]`` or ``[out, 1]``) or one."""
     s = scale.float()
-    return q.float() * (s.reshape(-1, 1) if s.numel() > 1 else s.reshape(()))
+    # dequantize_kv widens e4m3 through float16 bits: exact, and faster on the CPU.
+    qf = dequantize_kv(q) if q.dtype == torch.float8_e4m3fn else q.float()
+    return qf * (s.reshape(-1, 1) if s.numel() > 1 else s.reshape(()))
 
 
 def fake_quantize_input(x: torch.Tensor, cfg: CompressedConfig) -> torch.Tensor:

@@ -16,8 +16,19 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 PROMPTS = [[1, 5, 9, 30, 41], list(range(3, 40))]
 
 
-def test_offloaded_layers_give_the_same_tokens_and_are_host_tensors_between_forwards():
-    llm = LLM(str(tiny("llama-gqa")[0]), dtype="float32", num_blocks=32, block_size=4)
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(str(tiny("llama-gqa")[0]), dtype="float32", num_blocks=32, block_size=4)
+
+
+def test_an_offload_larger_than_the_layers_is_refused(llm):
+    layers = list(llm.engine.runner.model.layers)
+    total = sum(param_bytes(layer) for layer in layers)
+    with pytest.raises(ValueError, match="hold only .* bytes of weights; lower cpu_offload_gb"):
+        WeightOffload(layers, (total + 1) / GB, torch.device("cpu"), pin=False)
+
+
+def test_offloaded_layers_give_the_same_tokens_and_are_host_tensors_between_forwards(llm):
     want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     layers = list(llm.engine.runner.model.layers)
     first = param_bytes(layers[0])
@@ -30,10 +41,3 @@ def test_offloaded_layers_give_the_same_tokens_and_are_host_tensors_between_forw
             assert p.data.data_ptr() == host.data_ptr()
     assert not offload._prefetched  # nothing left half-fetched
 
-
-def test_an_offload_larger_than_the_layers_is_refused():
-    llm = LLM(str(tiny("llama-gqa")[0]), dtype="float32", num_blocks=8, block_size=4)
-    layers = list(llm.engine.runner.model.layers)
-    total = sum(param_bytes(layer) for layer in layers)
-    with pytest.raises(ValueError, match="hold only .* bytes of weights; lower cpu_offload_gb"):
-        WeightOffload(layers, (total + 1) / GB, torch.device("cpu"), pin=False)

@@ -82,14 +82,16 @@ def main() -> None:
     p.add_argument("--ctx", type=int, default=144)
     p.add_argument("--reps", type=int, default=9)
     p.add_argument("--variants", default="reference,no-pack,no-ops,fast")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="fp8: an 8-bit cache, which the CPU serves through the reference")
     args = p.parse_args()
-    llm = LLM(dtype=args.dtype)
+    llm = LLM(dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype)
     runner = llm.engine.runner
     model, caches = runner.model, runner.kv_caches
     g = torch.Generator().manual_seed(1)
-    for k, v in caches:
-        k.normal_(generator=g)
-        v.normal_(generator=g)
+    for k, v in caches:  # through float32: fp8 tensors have no normal_
+        k.copy_(torch.randn(k.shape, generator=g).to(k.dtype))
+        v.copy_(torch.randn(v.shape, generator=g).to(v.dtype))
     ids, positions, meta = decode_batch(args.requests, args.ctx, runner.block_size,
                                         caches[0][0].shape[0])
     backend = model.layers[0].self_attn.backend
@@ -105,7 +107,7 @@ def main() -> None:
             if rep:
                 wall[name].append(dt * 1e3)
                 cpu[name].append(dc * 1e3)
-    print(f"{args.dtype}, {args.requests} decodes at ~{args.ctx} tokens, "
+    print(f"{args.dtype} (KV {args.kv_cache_dtype}), {args.requests} decodes at ~{args.ctx} tokens, "
           f"{torch.get_num_threads()} threads, {args.reps} reps (median ms per step)")
     for name in names:
         print(f"  {name:10s} wall {statistics.median(wall[name]):7.1f}   "

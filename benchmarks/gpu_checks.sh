@@ -14,7 +14,8 @@ mkdir -p "$out"
 export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1 PYTHONPATH=.
 python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name())' | tee "$out/device.txt"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv >> "$out/device.txt" 2>&1
-# The compiled kernels against their references, CUDA graphs against eager,
+# The compiled kernels against their references (fp8 KV store and decode too),
+# cpu_offload_gb streaming weights from pinned host memory, CUDA graphs against eager,
 # the quantized matmul, and (with two GPUs) tensor parallelism over NCCL.
 timeout 120 python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider \
     2>&1 | tee "$out/pytest_gpu.log"

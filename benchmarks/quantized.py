@@ -4,7 +4,8 @@ drifts from float, and what the CPU path costs.
     PYTHONPATH=. python benchmarks/quantized.py [--max-tokens 32]
 
 Quantizes the bundled model (GPTQ 8-bit and AWQ 4-bit, groups of 64: 576,
-SmolLM2's width, is not a multiple of 128) into a temporary directory, runs
+SmolLM2's width, is not a multiple of 128; compressed-tensors FP8 and INT8,
+weight-only and with dynamic per-token inputs) into a temporary directory, runs
 four fixed prompts greedily on each and on the float model, and reports for
 each prompt how many leading tokens equal float's, and output tokens per
 second. On the CPU the torch reference dequantizes every weight on every
@@ -49,19 +50,24 @@ def main() -> None:
             "float32": None,
             "gptq-8bit-g64": str(quantize_model(None, Path(tmp) / "g8", "gptq", 8, 64)),
             "awq-4bit-g64": str(quantize_model(None, Path(tmp) / "a4", "awq", 4, 64)),
+            # compressed-tensors 8-bit weights (per-channel scales).
+            "fp8-w8a16": str(quantize_model(None, Path(tmp) / "f8", "fp8-w8a16", 8, -1)),
+            "fp8-w8a8": str(quantize_model(None, Path(tmp) / "f8a", "fp8", 8, -1)),
+            "int8-w8a16": str(quantize_model(None, Path(tmp) / "i8", "int8-w8a16", 8, -1)),
+            "int8-w8a8": str(quantize_model(None, Path(tmp) / "i8a", "int8", 8, -1)),
         }
-        tokens, speed = {}, {}
-        for name, path in variants.items():
+        tokens = {}
+        print(f"{'model':<15} {'tok/s':>6}  leading tokens equal to float32 "
+              f"(of {args.max_tokens})", flush=True)
+        for name, path in variants.items():  # float32 first: the others compare with it
             llm = LLM(path, dtype="float32")
             llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
             start = time.perf_counter()
             outs = llm.generate(PROMPTS, params, use_tqdm=False)
-            speed[name] = len(PROMPTS) * args.max_tokens / (time.perf_counter() - start)
+            speed = len(PROMPTS) * args.max_tokens / (time.perf_counter() - start)
             tokens[name] = [o.outputs[0].token_ids for o in outs]
-    print(f"\n{'model':<15} {'tok/s':>6}  leading tokens equal to float32 (of {args.max_tokens})")
-    for name in variants:
-        same = [leading_matches(a, b) for a, b in zip(tokens["float32"], tokens[name])]
-        print(f"{name:<15} {speed[name]:>6.1f}  {same}")
+            same = [leading_matches(a, b) for a, b in zip(tokens["float32"], tokens[name])]
+            print(f"{name:<15} {speed:>6.1f}  {same}", flush=True)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ long as possible.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 
 class KVBlock:
     __slots__ = ("block_id", "ref_cnt", "block_hash", "preimage", "prev", "next")
@@ -87,6 +89,9 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self._cached: dict[bytes, KVBlock] = {}
+        # Called with each cached block just before allocate() hands it to a
+        # new owner (the host KV tier keeps its bytes); None: dropped.
+        self.on_evict: Callable[[KVBlock], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -104,6 +109,8 @@ class BlockPool:
         out = []
         for _ in range(n):
             block = self.free_queue.popleft()
+            if block.block_hash is not None and self.on_evict is not None:
+                self.on_evict(block)
             self._evict(block)
             block.ref_cnt = 1
             out.append(block)

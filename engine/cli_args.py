@@ -14,6 +14,7 @@ from functools import partial
 from engine.config import (
     ATTENTION_BACKENDS,
     DTYPE_CHOICES,
+    KV_CACHE_DTYPES,
     LOAD_FORMATS,
     QUANTIZATIONS,
     CacheConfig,
@@ -52,6 +53,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--prefix-caching", dest="enable_prefix_caching",
                    action=argparse.BooleanOptionalAction,
                    default=cache("enable_prefix_caching"))
+    g.add_argument("--kv-cache-dtype", default=cache("kv_cache_dtype"), choices=KV_CACHE_DTYPES,
+                   help="store KV in the model's dtype (auto) or in 8 bits (fp8 = fp8_e4m3)")
+    g.add_argument("--host-kv-cache-gib", type=float, default=cache("host_kv_cache_gib"),
+                   help="keep prefix-cache blocks evicted from the KV cache in this much host "
+                        "memory, and copy them back on a hit instead of recomputing")
+    g.add_argument("--cpu-offload-gb", type=float, default=engine("cpu_offload_gb"),
+                   help="on CUDA, keep this many GB of weights in pinned host memory and "
+                        "stream them to the GPU for each forward")
     g.add_argument("--max-model-len", type=int, default=sched("max_model_len"))
     g.add_argument("--max-num-seqs", type=int, default=sched("max_num_seqs"))
     g.add_argument("--max-num-batched-tokens", type=int,

@@ -7,7 +7,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from engine.quantization import QuantConfig
+from engine.quantization import CompressedConfig, QuantConfig, quant_config_from_dict
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
@@ -19,7 +19,25 @@ DTYPES = tuple(DTYPE_SIZES)
 DTYPE_CHOICES = ("auto", *DTYPES)  # what a user may ask for
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 LOAD_FORMATS = ("auto", "dummy")
-QUANTIZATIONS = ("gptq", "awq")
+# "compressed-tensors": insist on such a checkpoint (FP8/INT8 weights); "fp8":
+# such a checkpoint, or quantize a float one's linear layers at load.
+QUANTIZATIONS = ("gptq", "awq", "compressed-tensors", "fp8")
+# --- KV cache dtype (issue 16) ---
+# How the paged KV cache stores keys and values: "auto" in the model's dtype;
+# "fp8" (= "fp8_e4m3") or "fp8_e5m2" in 8 bits, each value divided by a
+# per-tensor scale (engine/kv_quant.py). Bytes per element of every name a
+# cache may be stored in, model dtypes included (the KV wire layout uses them).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+KV_DTYPE_SIZES = {**DTYPE_SIZES, "fp8_e4m3": 1, "fp8_e5m2": 1}
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: str) -> str:
+    """The name the cache is stored in: ``dtype`` (the model's, resolved) for
+    "auto", "fp8_e4m3" for "fp8", else ``kv_cache_dtype`` itself."""
+    if kv_cache_dtype == "auto":
+        return dtype
+    return "fp8_e4m3" if kv_cache_dtype == "fp8" else kv_cache_dtype
+# --- end KV cache dtype ---
 _REQUIRED_KEYS = (
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
 )
@@ -46,8 +64,9 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    # GPTQ/AWQ weight-only quantization of the decoder's linear layers.
-    quantization: QuantConfig | None = None
+    # GPTQ/AWQ weight-only quantization, or 8-bit compressed-tensors weights,
+    # of the decoder's linear layers.
+    quantization: QuantConfig | CompressedConfig | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -104,8 +123,8 @@ class ModelConfig:
             sliding_window=sliding,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            quantization=QuantConfig.from_dict(quant) if (quant := cfg.get("quantization_config"))
-            else None,
+            quantization=quant_config_from_dict(quant)
+            if (quant := cfg.get("quantization_config")) else None,
         )
 
     @classmethod
@@ -148,6 +167,13 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
+    # "auto": the model's dtype; "fp8"/"fp8_e4m3"/"fp8_e5m2": 8-bit KV, twice
+    # the blocks for the same bytes (KV_CACHE_DTYPES above).
+    kv_cache_dtype: str = "auto"
+    # GiB of host memory that keeps prefix-cache blocks evicted from the
+    # cache, to copy back on a later hit instead of recomputing them
+    # (engine/host_kv_tier.py). 0: none. Needs prefix caching.
+    host_kv_cache_gib: float = 0.0
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size > 256:
@@ -160,6 +186,16 @@ class CacheConfig:
             )
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {self.num_blocks}")
+        if self.host_kv_cache_gib < 0:
+            raise ValueError(f"host_kv_cache_gib must be >= 0, got {self.host_kv_cache_gib}")
+        if self.host_kv_cache_gib and not self.enable_prefix_caching:
+            raise ValueError("host_kv_cache_gib keeps prefix-cache blocks: it needs "
+                             "enable_prefix_caching")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -269,6 +305,10 @@ class EngineConfig:
     # None: as the checkpoint's quantization_config says. "gptq" / "awq":
     # the same, but a checkpoint quantized otherwise (or not at all) is refused.
     quantization: str | None = None
+    # GB (10**9 bytes) of weights kept in pinned host memory and streamed to
+    # the accelerator for each forward (engine/weight_offload.py). 0: none.
+    # Refused on the CPU device, where there is no separate device memory.
+    cpu_offload_gb: float = 0.0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     # None: no speculative decoding. A dict is read as SpeculativeConfig.from_dict.
@@ -284,7 +324,15 @@ class EngineConfig:
             )
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(
-                f"quantization must be 'gptq' or 'awq' (or unset), got {self.quantization!r}"
+                f"quantization must be one of {', '.join(QUANTIZATIONS)} (or unset), "
+                f"got {self.quantization!r}"
+            )
+        if self.cpu_offload_gb < 0:
+            raise ValueError(f"cpu_offload_gb must be >= 0, got {self.cpu_offload_gb}")
+        if self.cpu_offload_gb > 0 and not self.device.startswith("cuda"):
+            raise ValueError(
+                f"cpu_offload_gb only means something with an accelerator: on the "
+                f"{self.device!r} device the weights are in host memory already; leave it at 0"
             )
         if self.tensor_parallel_size < 1:
             raise ValueError(

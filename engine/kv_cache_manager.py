@@ -15,6 +15,7 @@ Block table of a request with block_size 4 and 10 tokens::
 from __future__ import annotations
 
 from engine.block_pool import BlockPool, KVBlock
+from engine.host_kv_tier import HostKVTier
 from engine.prefix_hash import block_preimage, hash_blocks
 from engine.prefix_hash import hash_block as hash_block  # re-exported: tests chain digests
 from engine.request import Request
@@ -30,6 +31,12 @@ class KVCacheManager:
         self._num_cached: dict[str, int] = {}
         self.prefix_queries = 0  # tokens looked up in the prefix cache
         self.prefix_hits = 0  # of those, tokens found
+        self.host_tier: HostKVTier | None = None  # attach_host_tier
+
+    def attach_host_tier(self, tier: HostKVTier) -> None:
+        """Keep evicted cached blocks in ``tier`` and serve prefix hits from it."""
+        self.host_tier = tier
+        self.pool.on_evict = lambda b: tier.save(b.block_id, b.block_hash, b.preimage)
 
     @property
     def num_free_blocks(self) -> int:
@@ -57,7 +64,10 @@ class KVCacheManager:
         parent = None
         for i, block_hash in enumerate(request.block_hashes[:max_blocks]):
             tokens = request.token_ids[i * self.block_size : (i + 1) * self.block_size]
-            block = self.pool.lookup(block_hash, block_preimage(parent, tokens))
+            preimage = block_preimage(parent, tokens)
+            block = self.pool.lookup(block_hash, preimage)
+            if block is None:
+                block = self._restore_from_host(block_hash, preimage, hits)
             if block is None:
                 break
             hits.append(block)
@@ -65,6 +75,26 @@ class KVCacheManager:
         self.prefix_queries += request.num_tokens
         self.prefix_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
+
+    def _restore_from_host(self, block_hash: bytes, preimage: bytes,
+                           hits: list[KVBlock]) -> KVBlock | None:
+        """A block the host tier kept, copied into a new device block that is
+        then published and left free, like any cached block (no reference
+        taken). None on a miss or when no device block is free."""
+        tier = self.host_tier
+        if tier is None or not tier.contains(block_hash, preimage):
+            return None
+        if self.pool.num_free_blocks <= sum(1 for b in hits if b.ref_cnt == 0):
+            return None  # the only free blocks are this prefix's own hits
+        self.pool.touch(hits)  # so that allocate() cannot hand one of them out
+        try:
+            (block,) = self.pool.allocate(1)
+            tier.restore(block_hash, block.block_id)
+            self.pool.cache(block, block_hash, preimage)
+            self.pool.free([block])
+        finally:
+            self.pool.free(list(reversed(hits)))
+        return block
 
     def allocate_slots(
         self,
@@ -172,8 +202,10 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (after a failed step: published blocks
-        may never have been written)."""
+        may never have been written), the host tier's copies too."""
         self.pool.reset_prefix_cache()
+        if self.host_tier is not None:
+            self.host_tier.clear()
 
     def _update_hashes(self, request: Request, num_tokens: int) -> None:
         """Extend the request's chained block digests to its full blocks

@@ -26,11 +26,14 @@ from collections.abc import Callable, Sequence
 from engine.completions import split_completions
 from engine.config import EngineConfig, ModelConfig
 from engine.dtypes import resolve_dtype
+from engine.host_kv_store import HostKVStore
+from engine.host_kv_tier import HostKVTier
 from engine.kv_cache_manager import KVCacheManager
 from engine.loader.resolve import resolve_model_dir
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
 from engine.outputs import EngineStats, KVProgress, RequestOutput
+from engine.quantization import CompressedConfig
 from engine.request import Request, RequestStatus
 from engine.request_checks import check_request
 from engine.sampling_params import SamplingParams
@@ -61,12 +64,13 @@ class LLMEngine:
         self.kv = KVCacheManager(self.runner.num_blocks, cache.block_size,
                                  cache.enable_prefix_caching)
         self.spec = make_spec_decoder(config, self.model_config, self.max_model_len)
+        self._attach_host_tier()
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.spec)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.num_steps = 0  # steps that ran the model: a liveness signal for callers
         logger.info(
-            "dtype %s; KV cache: %d blocks = %d tokens (block_size %d, %.1f MiB); "
-            "max_model_len %d", config.dtype,
+            "dtype %s; KV cache: %s, %d blocks = %d tokens (block_size %d, %.1f MiB); "
+            "max_model_len %d", config.dtype, self.kv_cache_spec.name,
             self.runner.num_blocks, self.runner.num_blocks * cache.block_size,
             cache.block_size, self.runner.num_blocks * self.runner.block_bytes / 2**20,
             self.max_model_len,
@@ -229,11 +233,18 @@ class LLMEngine:
             prefix_queries=kv.prefix_queries, prefix_hits=kv.prefix_hits,
             num_steps=self.num_steps,
             spec_decode=self.spec.stats.snapshot() if self.spec is not None else None,
+            host_tier_restored_blocks=kv.host_tier.blocks_restored if kv.host_tier else 0,
+            host_tier_bytes=kv.host_tier.bytes_moved if kv.host_tier else 0,
         )
 
     @property
     def block_size(self) -> int:
         return self.kv.block_size
+
+    @property
+    def kv_cache_spec(self):
+        """What the KV cache is stored in (``engine.kv_quant.KVCacheSpec``)."""
+        return self.runner.shard.kv_spec
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return self.kv.num_blocks_for(num_tokens)
@@ -331,9 +342,26 @@ class LLMEngine:
 
     # ---- config ------------------------------------------------------------------
 
+    def _attach_host_tier(self) -> None:
+        """``cache.host_kv_cache_gib`` of host memory under the prefix cache."""
+        gib = self.config.cache.host_kv_cache_gib
+        if not gib:
+            return
+        block_bytes = self.runner.block_bytes * self.config.tensor_parallel_size
+        slots = int(gib * 2**30) // block_bytes
+        store = HostKVStore(self.runner.kv_blocks, self.model_config.num_layers, max(slots, 1))
+        self.kv.attach_host_tier(HostKVTier(slots, block_bytes, store.copy_out, store.copy_in))
+        logger.info("host KV tier: %d blocks (%.2f GiB)", slots, slots * block_bytes / 2**30)
+
     def _check_quantization(self) -> None:
         asked = self.config.quantization
         found = self.model_config.quantization
+        if asked == "fp8" and found is None:  # quantize the float checkpoint at load
+            self.model_config = dataclasses.replace(self.model_config,
+                                                    quantization=CompressedConfig.online_fp8())
+            return
+        if asked == "fp8" and getattr(found, "weight_type", None) == "float":
+            return  # an FP8 compressed-tensors checkpoint is what fp8 asks for
         if asked is not None and (found is None or found.method != asked):
             have = f"{found.method}-quantized" if found else "not quantized"
             raise ValueError(f"quantization={asked!r} was asked for, but {self.model_dir} is "

@@ -84,8 +84,10 @@ class ModelRunner:
     def _decode_graphs(self, max_model_len: int) -> DecodeGraphs | None:
         # NOTE: with tensor parallelism every rank would have to record and
         # replay its own graphs in step; not done yet, so those steps run eagerly.
+        # Nor with cpu_offload_gb: a graph would replay reads of freed weight copies.
         use = (self.device.type == "cuda" and self.backend.graph_safe
-               and not self.config.enforce_eager and self.tp.size == 1)
+               and not self.config.enforce_eager and self.tp.size == 1
+               and not self.config.cpu_offload_gb)
         logger.info("decode steps: %s", "CUDA graphs" if use else "eager")
         if not use:
             return None

@@ -14,9 +14,11 @@ from engine.batch import StepBatch
 from engine.config import EngineConfig, ModelConfig
 from engine.dtypes import torch_dtype
 from engine.kv_blocks import KVBlocks
+from engine.kv_quant import KVCacheSpec, check_kv_cache_support
 from engine.loader.weights import iterate_weights
 from engine.models import build_model
 from engine.parallel import TensorParallel
+from engine.weight_offload import WeightOffload
 
 logger = logging.getLogger("engine")
 
@@ -30,7 +32,10 @@ class ModelShard:
         self.device = torch.device(config.device)
         self.dtype = torch_dtype(config.dtype)
         self.block_size = config.cache.block_size
-        self.backend = get_attention_backend(config.attention_backend, config.device)
+        self.kv_spec = KVCacheSpec.of(config.cache.kv_cache_dtype, config.dtype)
+        self.backend = get_attention_backend(config.attention_backend, config.device,
+                                             self.kv_spec.scales)
+        check_kv_cache_support(self.kv_spec, self.backend.name, self.device)
         torch.manual_seed(config.seed)
         default_dtype = torch.get_default_dtype()
         try:
@@ -43,9 +48,25 @@ class ModelShard:
             self._init_dummy_weights()
         else:
             self.model.load_weights(iterate_weights(model_dir))
+        for module in self.model.modules():  # quantization="fp8": quantize what was loaded
+            if hasattr(module, "finish_loading"):
+                module.finish_loading()
         self.model.eval()
+        self.offload = self._offload_weights()
         self.num_kv_heads = tp.split(model_cfg.num_kv_heads, "num_key_value_heads")
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def _offload_weights(self) -> WeightOffload | None:
+        """``cpu_offload_gb`` of this rank's decoder layers to pinned host memory."""
+        if not self.config.cpu_offload_gb:
+            return None
+        offload = WeightOffload(list(self.model.layers), self.config.cpu_offload_gb,
+                                self.device, pin=self.device.type == "cuda")
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # so that the KV cache sizing sees the memory freed
+        logger.info("cpu offload: %d decoder layers, %.2f GB of weights in host memory",
+                    offload.num_layers, offload.bytes_offloaded / 1e9)
+        return offload
 
     @torch.no_grad()
     def _init_dummy_weights(self) -> None:
@@ -67,14 +88,15 @@ class ModelShard:
     def block_bytes(self) -> int:
         """Bytes of K and V for one block across all layers, on this rank."""
         cfg = self.model_cfg
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = self.kv_spec.element_size
         return 2 * cfg.num_layers * self.block_size * self.num_kv_heads * cfg.head_dim * elem
 
     def allocate_cache(self, num_blocks: int) -> None:
         shape = (num_blocks, self.block_size, self.num_kv_heads, self.model_cfg.head_dim)
+        dtype = self.kv_spec.torch_dtype
         self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            (torch.zeros(shape, dtype=dtype, device=self.device),
+             torch.zeros(shape, dtype=dtype, device=self.device))
             for _ in range(self.model_cfg.num_layers)
         ]
         self.blocks = KVBlocks(self.kv_caches)

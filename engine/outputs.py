@@ -65,3 +65,5 @@ class EngineStats:
     num_steps: int = 0  # model steps run since start: grows while the engine makes progress
     # Speculative decoding's counters (engine/spec_decode/stats.py); None without it.
     spec_decode: SpecDecodeStats | None = None
+    host_tier_restored_blocks: int = 0  # prefix-cache blocks copied back from host memory
+    host_tier_bytes: int = 0  # bytes moved between the KV cache and the host tier, both ways

@@ -10,6 +10,10 @@ from __future__ import annotations
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# What a paged cache may be stored in: a float dtype, or 8-bit floats with a
+# per-tensor scale (the kernels widen those on load).
+CACHE_DTYPES = FLOAT_DTYPES + FP8_DTYPES
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -43,8 +47,8 @@ def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
 def check_cache_pair(k_cache: object, v_cache: object) -> tuple[int, int, int, int]:
     """Both caches [num_blocks, block_size, num_kv_heads, head_dim], same
     shape and dtype, contiguous. Returns that shape."""
-    check_tensor("k_cache", k_cache, ndim=4, dtypes=FLOAT_DTYPES)
-    check_tensor("v_cache", v_cache, ndim=4, dtypes=FLOAT_DTYPES, device=k_cache.device)
+    check_tensor("k_cache", k_cache, ndim=4, dtypes=CACHE_DTYPES)
+    check_tensor("v_cache", v_cache, ndim=4, dtypes=CACHE_DTYPES, device=k_cache.device)
     if k_cache.shape != v_cache.shape:
         raise ValueError(
             f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ in shape"
@@ -91,3 +95,14 @@ def lowp_dot(dtype: torch.dtype, device: torch.device) -> bool:
     if dtype == torch.float16:
         return True
     return dtype == torch.bfloat16 and device.type != "cpu"
+
+
+def query_dtypes(cache_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+    """The query dtypes attention accepts over a cache of ``cache_dtype``: its
+    own, or any float dtype over an 8-bit cache."""
+    return FLOAT_DTYPES if cache_dtype in FP8_DTYPES else (cache_dtype,)
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    """The largest finite value of an 8-bit cache dtype (0.0 for any other)."""
+    return float(torch.finfo(dtype).max) if dtype in FP8_DTYPES else 0.0

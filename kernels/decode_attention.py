@@ -38,6 +38,7 @@ from kernels._checks import (
     check_tile,
     lowp_dot,
     next_power_of_2,
+    query_dtypes,
 )
 
 _MIN_SPLIT_TOKENS = 256  # do not split the context finer than this
@@ -65,6 +66,8 @@ def _decode_kernel(
     stride_cache_block,
     stride_cache_slot,
     stride_cache_head,
+    k_scale,  # an fp8 cache holds x / scale
+    v_scale,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -73,6 +76,7 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
     LOWP_DOT: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -113,6 +117,9 @@ def _decode_kernel(
         kv_mask = pos_ok[:, None] & dim_ok[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)  # [BLOCK_N, DIM_PAD]
         v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        if KV_FP8:  # widen to the query's dtype: the rest reads as for a float cache
+            k = (k.to(tl.float32) * k_scale).to(q.dtype)
+            v = (v.to(tl.float32) * v_scale).to(q.dtype)
         if not LOWP_DOT:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -214,6 +221,8 @@ def paged_decode_attention(
     max_seq_len: int | None = None,
     out: torch.Tensor | None = None,
     block_n: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """Attention of each sequence's single query token over its cached context.
 
@@ -222,10 +231,11 @@ def paged_decode_attention(
     without it the block-table width is used, so nothing is read back from the
     device). ``out`` may be a view such as rows of a larger batch's output.
     ``block_n`` is the K/V tile length in tokens (tuning and tests).
+    ``k_scale``/``v_scale``: the scales of an fp8 cache (ignored otherwise).
     """
     _, block_size, num_kv_heads, head_dim = check_cache_pair(k_cache, v_cache)
     device = k_cache.device
-    check_tensor("query", query, ndim=3, dtypes=(k_cache.dtype,), device=device)
+    check_tensor("query", query, ndim=3, dtypes=query_dtypes(k_cache.dtype), device=device)
     num_seqs, num_heads, q_dim = query.shape
     if q_dim != head_dim:
         raise ValueError(f"query head_dim {q_dim} != cache head_dim {head_dim}")
@@ -281,6 +291,8 @@ def paged_decode_attention(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        float(k_scale),
+        float(v_scale),
         GROUP=group,
         GROUP_PAD=max(16, next_power_of_2(group)),
         HEAD_DIM=head_dim,
@@ -288,7 +300,8 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size,
         BLOCK_N=block_n,
         SPLIT=split,
-        LOWP_DOT=lowp_dot(k_cache.dtype, device),
+        LOWP_DOT=lowp_dot(query.dtype, device),
+        KV_FP8=k_cache.dtype != query.dtype,
         num_warps=4,
         num_stages=3,
     )

@@ -36,6 +36,7 @@ from kernels._checks import (
     check_tile,
     lowp_dot,
     next_power_of_2,
+    query_dtypes,
 )
 
 
@@ -57,10 +58,13 @@ def _attend_tile(
     qk_scale,
     stride_cache_block,
     stride_cache_slot,
+    k_scale,
+    v_scale,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
     LOWP_DOT: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """One online-softmax step over keys [tile_start, tile_start + BLOCK_N)."""
     pos = tile_start + tl.arange(0, BLOCK_N)
@@ -75,6 +79,9 @@ def _attend_tile(
     kv_mask = pos_ok[:, None] & dim_ok[None, :]
     k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)  # [BLOCK_N, DIM_PAD]
     v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+    if KV_FP8:  # widen to the query's dtype: the rest reads as for a float cache
+        k = (k.to(tl.float32) * k_scale).to(q.dtype)
+        v = (v.to(tl.float32) * v_scale).to(q.dtype)
     if LOWP_DOT:
         qk = tl.dot(q, tl.trans(k))
     else:
@@ -114,6 +121,8 @@ def _prefill_kernel(
     stride_cache_block,
     stride_cache_slot,
     stride_cache_head,
+    k_scale,  # an fp8 cache holds x / scale
+    v_scale,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -122,6 +131,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     LOWP_DOT: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
     # Tiles with the most keys first: they finish last otherwise.
@@ -165,13 +175,13 @@ def _prefill_kernel(
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_ptr, head_off, tile_start,
             key_end, q_pos, dims, dim_ok, qk_scale, stride_cache_block, stride_cache_slot,
-            BLOCK_SIZE, BLOCK_N, False, LOWP_DOT,
+            k_scale, v_scale, BLOCK_SIZE, BLOCK_N, False, LOWP_DOT, KV_FP8,
         )
     for tile_start in range(unmasked_end, key_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_ptr, head_off, tile_start,
             key_end, q_pos, dims, dim_ok, qk_scale, stride_cache_block, stride_cache_slot,
-            BLOCK_SIZE, BLOCK_N, True, LOWP_DOT,
+            k_scale, v_scale, BLOCK_SIZE, BLOCK_N, True, LOWP_DOT, KV_FP8,
         )
 
     o = acc / l_i[:, None]
@@ -202,6 +212,8 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of each sequence's new tokens over its cache.
 
@@ -211,11 +223,12 @@ def paged_prefill_attention(
     sequence are left untouched. ``max_query_len`` bounds the new tokens per
     sequence (it sizes the grid); without it, it is read back from the
     device. ``block_m`` (rows = tokens x group heads) and ``block_n`` (keys)
-    are tile sizes for tuning and tests.
+    are tile sizes for tuning and tests. ``k_scale``/``v_scale``: the scales
+    of an fp8 cache (ignored otherwise).
     """
     _, block_size, num_kv_heads, head_dim = check_cache_pair(k_cache, v_cache)
     device = k_cache.device
-    check_tensor("query", query, ndim=3, dtypes=(k_cache.dtype,), device=device)
+    check_tensor("query", query, ndim=3, dtypes=query_dtypes(k_cache.dtype), device=device)
     num_heads, q_dim = query.shape[1], query.shape[2]
     if q_dim != head_dim:
         raise ValueError(f"query head_dim {q_dim} != cache head_dim {head_dim}")
@@ -270,6 +283,8 @@ def paged_prefill_attention(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        float(k_scale),
+        float(v_scale),
         GROUP=group,
         GROUP_PAD=group_pad,
         HEAD_DIM=head_dim,
@@ -277,7 +292,8 @@ def paged_prefill_attention(
         BLOCK_SIZE=block_size,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        LOWP_DOT=lowp_dot(k_cache.dtype, device),
+        LOWP_DOT=lowp_dot(query.dtype, device),
+        KV_FP8=k_cache.dtype != query.dtype,
         num_warps=num_warps,
         num_stages=3,
     )

@@ -24,6 +24,31 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def quantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """``x`` as a cache of ``dtype`` stores it: for an 8-bit float cache
+    ``clamp(x / scale)`` to the type's finite range (never NaN), else a cast."""
+    if dtype not in FP8_KV_DTYPES:
+        return x.to(dtype)
+    limit = torch.finfo(dtype).max
+    return (x.float() / scale).clamp_(-limit, limit).to(dtype)
+
+
+def dequantize_kv(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """Cached keys or values in float32: ``x * scale`` for an 8-bit cache."""
+    if x.dtype == torch.float8_e4m3fn and x.device.type == "cpu":
+        # NOTE: torch widens e4m3 on the CPU one element at a time. Its sign,
+        # exponent and mantissa bits placed in a float16 read as the value
+        # times 2**-8 (normal and subnormal alike, the exponent biases differ
+        # by 8), which is exact for every finite e4m3 and twice as fast.
+        u = x.view(torch.uint8).to(torch.int16)
+        half = (((u & 0x80) << 8) | ((u & 0x7F) << 7)).view(torch.float16)
+        return half.float() * (256.0 * scale)
+    out = x.float()
+    return out * scale if x.dtype in FP8_KV_DTYPES and scale != 1.0 else out
+
 
 def store_kv(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
@@ -31,16 +56,24 @@ def store_kv(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens] int, -1 = do not store
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Write each token's key and value into its cache slot."""
+    """Write each token's key and value into its cache slot (``quantize_kv``
+    with the scales for an 8-bit cache)."""
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     flat_k = k_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
     flat_v = v_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
-    flat_k.index_copy_(0, slot_mapping.long(), key.to(k_cache.dtype))
-    flat_v.index_copy_(0, slot_mapping.long(), value.to(v_cache.dtype))
+    k_new = quantize_kv(key, k_cache.dtype, k_scale)
+    v_new = quantize_kv(value, v_cache.dtype, v_scale)
+    if k_cache.dtype in FP8_KV_DTYPES:  # index_copy_ has no fp8 kernel on the CPU: copy bytes
+        flat_k, flat_v = flat_k.view(torch.uint8), flat_v.view(torch.uint8)
+        k_new, v_new = k_new.view(torch.uint8), v_new.view(torch.uint8)
+    flat_k.index_copy_(0, slot_mapping.long(), k_new)
+    flat_v.index_copy_(0, slot_mapping.long(), v_new)
 
 
 def gather_kv(
@@ -61,6 +94,8 @@ def paged_decode_attention(
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int
     seq_lens: torch.Tensor,  # [num_seqs] int
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """One new query token per sequence against its whole cached context.
 
@@ -74,8 +109,9 @@ def paged_decode_attention(
     max_blocks = (max_len + block_size - 1) // block_size
     table = block_tables[:, :max_blocks].long()
     # [num_seqs, kv_heads, max_len, dim]
-    keys = k_cache[table].flatten(1, 2)[:, :max_len].transpose(1, 2).float()
-    values = v_cache[table].flatten(1, 2)[:, :max_len].transpose(1, 2).float()
+    # (widened while contiguous: elementwise ops on the transposed view are slow)
+    keys = dequantize_kv(k_cache[table], k_scale).flatten(1, 2)[:, :max_len].transpose(1, 2)
+    values = dequantize_kv(v_cache[table], v_scale).flatten(1, 2)[:, :max_len].transpose(1, 2)
     positions = torch.arange(max_len, device=query.device)
     valid = positions[None, :] < seq_lens[:, None]  # [num_seqs, max_len]
     # NOTE: SDPA rather than matmul + softmax: on the CPU it reads the strided
@@ -96,6 +132,8 @@ def paged_prefill_attention(
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int, on the host
     seq_lens: torch.Tensor,  # [num_seqs] int, on the host
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens against its cached
     blocks and themselves (chunked prefill, prefix-cache hits, extends).
@@ -116,8 +154,9 @@ def paged_prefill_attention(
         values = gather_kv(v_cache, block_tables[i], seq_len)
         # [heads, q_len, dim], with kv heads repeated for grouped-query attention
         q = query[start:end].transpose(0, 1).float()
-        k = keys.transpose(0, 1).float().repeat_interleave(num_heads // num_kv_heads, 0)
-        v = values.transpose(0, 1).float().repeat_interleave(num_heads // num_kv_heads, 0)
+        group = num_heads // num_kv_heads
+        k = dequantize_kv(keys, k_scale).transpose(0, 1).repeat_interleave(group, 0)
+        v = dequantize_kv(values, v_scale).transpose(0, 1).repeat_interleave(group, 0)
         # Query j sits at absolute position seq_len - q_len + j.
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
         k_pos = torch.arange(seq_len, device=query.device)

@@ -16,8 +16,25 @@ from kernels._checks import (
     check_cache_pair,
     check_last_dim_contiguous,
     check_tensor,
+    fp8_max,
     next_power_of_2,
 )
+
+
+@triton.jit
+def _round_to_fp8(x, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr):
+    """``x`` (float32, within the fp8 range) rounded to the nearest fp8 value,
+    ties to even, still in float32: the conversion that follows is then exact.
+
+    NOTE: the Triton interpreter's float32 -> fp8 rounding drops the carry when
+    the mantissa rounds up (7.9 becomes 4.0); rounding here first makes the
+    stored bytes the same as torch's on every device.
+    """
+    bits = x.to(tl.int32, bitcast=True)
+    exp = tl.maximum(((bits >> 23) & 0xFF) - 127, MIN_EXP)  # subnormals share MIN_EXP's step
+    step = ((exp - MANTISSA + 127) << 23).to(tl.float32, bitcast=True)
+    magic = 12582912.0  # 1.5 * 2**23: adding and subtracting it rounds to an integer, ties even
+    return ((x / step + magic) - magic) * step
 
 
 @triton.jit
@@ -33,10 +50,15 @@ def _store_kv_kernel(
     stride_vh,
     stride_cache_slot,  # block_size * num_kv_heads * head_dim: the cache is contiguous
     stride_cache_head,
+    k_scale,  # an fp8 cache stores x / scale, clamped to +-FP8_MAX
+    v_scale,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEADS_PAD: tl.constexpr,
     DIM_PAD: tl.constexpr,
+    FP8_MAX: tl.constexpr,  # 0.0: the cache is in a float dtype
+    FP8_MANTISSA: tl.constexpr,
+    FP8_MIN_EXP: tl.constexpr,
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -52,8 +74,15 @@ def _store_kv_kernel(
     k = tl.load(key_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
     v = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
     # Through float32: the interpreter converts bfloat16 only to and from float32.
-    tl.store(k_cache_ptr + dst, k.to(tl.float32).to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + dst, v.to(tl.float32).to(v_cache_ptr.dtype.element_ty), mask=mask)
+    k = k.to(tl.float32)
+    v = v.to(tl.float32)
+    if FP8_MAX > 0:
+        k = tl.minimum(tl.maximum(k / k_scale, -FP8_MAX), FP8_MAX)
+        v = tl.minimum(tl.maximum(v / v_scale, -FP8_MAX), FP8_MAX)
+        k = _round_to_fp8(k, FP8_MANTISSA, FP8_MIN_EXP)
+        v = _round_to_fp8(v, FP8_MANTISSA, FP8_MIN_EXP)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def store_kv(
@@ -62,8 +91,11 @@ def store_kv(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens] int, -1 = do not store
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Write each token's key and value into its cache slot (in place).
+    """Write each token's key and value into its cache slot (in place); an
+    fp8 cache gets ``reference.quantize_kv`` of them with the scales.
 
     Slots must be below ``num_blocks * block_size``; that is not checked,
     because checking would read the device tensor back to the host.
@@ -99,9 +131,14 @@ def store_kv(
         value.stride(1),
         k_cache.stride(1),
         k_cache.stride(2),
+        float(k_scale),
+        float(v_scale),
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         HEADS_PAD=heads_pad,
         DIM_PAD=dim_pad,
+        FP8_MAX=fp8_max(k_cache.dtype),
+        FP8_MANTISSA=3 if k_cache.dtype == torch.float8_e4m3fn else 2,
+        FP8_MIN_EXP=-6 if k_cache.dtype == torch.float8_e4m3fn else -14,
         num_warps=max(1, min(8, heads_pad * dim_pad // 512)),
     )

@@ -11,6 +11,7 @@ from kv_transfer.layout import KVLayout
 def layout_of(engine) -> KVLayout:
     """The KV layout of an LLMEngine."""
     cfg = engine.model_config
+    kv = engine.kv_cache_spec
     return KVLayout(
         model_fingerprint=model_fingerprint(engine.model_dir),
         dtype=engine.config.dtype,
@@ -18,6 +19,8 @@ def layout_of(engine) -> KVLayout:
         num_layers=cfg.num_layers,
         num_kv_heads=cfg.num_kv_heads,
         head_dim=cfg.head_dim,
+        kv_cache_dtype=kv.name if kv.name != engine.config.dtype else "",
+        kv_scales=kv.scales,
     )
 
 

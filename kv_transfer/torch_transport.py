@@ -88,10 +88,16 @@ class PairGroup:
             raise
 
     def send(self, t: torch.Tensor, peer: int, tag: int) -> None:
-        self.group.send([t], peer, tag).wait()
+        self.group.send([_as_bytes(t)], peer, tag).wait()
 
     def recv(self, t: torch.Tensor, peer: int, tag: int) -> None:
-        self.group.recv([t], peer, tag).wait()
+        self.group.recv([_as_bytes(t)], peer, tag).wait()
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A one-byte tensor (an fp8 KV cache's) as uint8, which every backend
+    sends (gloo has no fp8 type); the same memory, so a receive lands in ``t``."""
+    return t.view(torch.uint8) if t.element_size() == 1 and t.dtype != torch.uint8 else t
 
 
 class TorchSender(KVSender):

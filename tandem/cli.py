@@ -15,6 +15,8 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
+from engine.quantization.compressed_config import SCHEMES
+
 Command = Callable[[argparse.Namespace], int]
 
 
@@ -94,14 +96,16 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _add_quantize(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "quantize", help="write a model's linear layers as GPTQ or AWQ integers",
+        "quantize", help="write a model's linear layers as GPTQ/AWQ integers or FP8/INT8",
         description="Quantize a float model into the GPTQ or AWQ file format by "
                     "round-to-nearest per group (the formats, not their calibration "
-                    "algorithms). The result loads like any other model directory.")
+                    "algorithms), or into compressed-tensors 8-bit weights with absmax "
+                    "scales (fp8 = FP8 W8A8 dynamic, fp8-w8a16, fp8-tensor, int8 = INT8 W8A8 "
+                    "dynamic, int8-w8a16). The result loads like any other model directory.")
     p.add_argument("out", help="the directory to create")
     p.add_argument("--model", default=None,
                    help="model directory or .gguf file; default: the bundled SmolLM2")
-    p.add_argument("--method", default="gptq", choices=["gptq", "awq"])
+    p.add_argument("--method", default="gptq", choices=["gptq", "awq", *SCHEMES])
     p.add_argument("--bits", type=int, default=4, help="4, or 8 (GPTQ only)")
     p.add_argument("--group-size", type=int, default=128,
                    help="input rows per scale and zero point; -1: one group per row")

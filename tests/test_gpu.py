@@ -116,3 +116,60 @@ def test_tensor_parallel_over_nccl_matches_one_gpu(tmp_path):
         finally:
             llm.engine.shutdown()
     assert outputs[2] == outputs[1]
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_compiled_fp8_store_and_decode_match_reference(fp8):
+    from kernels import reference
+    from kernels.decode_attention import paged_decode_attention
+    from kernels.store_kv import store_kv
+
+    torch.manual_seed(0)
+    num_blocks, block_size, kv_heads, heads, dim = 64, 16, 4, 16, 128
+    k_cache = torch.zeros(num_blocks, block_size, kv_heads, dim, device="cuda", dtype=fp8)
+    v_cache = torch.zeros_like(k_cache)
+    n = num_blocks * block_size
+    key = torch.randn(n, kv_heads, dim, device="cuda", dtype=torch.bfloat16) * 20
+    value = torch.randn_like(key)
+    slots = torch.randperm(n, device="cuda")
+    k_ref_cpu, v_ref_cpu = k_cache.cpu(), v_cache.cpu()
+    reference.store_kv(key.cpu(), value.cpu(), k_ref_cpu, v_ref_cpu, slots.cpu(), 0.5, 2.0)
+    store_kv(key, value, k_cache, v_cache, slots, k_scale=0.5, v_scale=2.0)
+    assert torch.equal(k_cache.cpu().view(torch.uint8), k_ref_cpu.view(torch.uint8))
+    assert torch.equal(v_cache.cpu().view(torch.uint8), v_ref_cpu.view(torch.uint8))
+    seq_lens = torch.tensor([1, 15, 17, 700], device="cuda", dtype=torch.int32)
+    tables = torch.randperm(num_blocks, device="cuda")[: 4 * 16].view(4, 16).int()
+    query = torch.randn(4, heads, dim, device="cuda", dtype=torch.bfloat16)
+    out = paged_decode_attention(query, k_cache, v_cache, tables, seq_lens, dim**-0.5,
+                                 k_scale=0.5, v_scale=2.0)
+    ref = reference.paged_decode_attention(query.float(), k_cache, v_cache, tables, seq_lens,
+                                           dim**-0.5, 0.5, 2.0)
+    torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+
+
+def test_cpu_offload_streams_layers_and_keeps_the_tokens(tmp_path):
+    from tiny_models import build_tiny_model
+
+    from engine.weight_offload import GB, param_bytes
+    from tandem import LLM, SamplingParams
+
+    model_dir, _ = build_tiny_model("llama-gqa", tmp_path)
+    prompts = [[5, 6, 7], list(range(3, 40))]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outputs = {}
+    for offload in (False, True):
+        probe = LLM(str(model_dir), device="cuda", num_blocks=64, block_size=16)
+        layer_bytes = param_bytes(probe.engine.runner.model.layers[0])
+        del probe
+        gb = 2 * layer_bytes / GB if offload else 0.0
+        llm = LLM(str(model_dir), device="cuda", num_blocks=64, block_size=16, cpu_offload_gb=gb)
+        shard = llm.engine.runner.shard
+        if offload:
+            assert shard.offload.num_layers == 2 and llm.engine.runner.decode_graphs is None
+        outputs[offload] = [o.outputs[0].token_ids
+                            for o in llm.generate(prompts, params, use_tqdm=False)]
+        if offload:  # between forwards the offloaded weights are pinned host tensors
+            for p in shard.model.layers[0].parameters():
+                assert p.device.type == "cpu" and p.is_pinned()
+            assert next(shard.model.layers[2].parameters()).device.type == "cuda"
+    assert outputs[True] == outputs[False]

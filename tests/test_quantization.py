@@ -322,6 +322,6 @@ def test_asking_for_a_quantization_checks_the_checkpoint(tiny_src, tmp_path):
         LLM(str(qdir), num_blocks=16, quantization="gptq")
     with pytest.raises(ValueError, match="is not quantized"):
         LLM(str(tiny_src), num_blocks=16, quantization="awq")
-    with pytest.raises(ValueError, match="must be 'gptq' or 'awq'"):
+    with pytest.raises(ValueError, match="quantization must be one of gptq, awq"):
         LLM(str(qdir), num_blocks=16, quantization="bitsandbytes")
 

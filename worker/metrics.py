@@ -53,6 +53,14 @@ class WorkerMetrics(RequestMetrics):
             "vllm:spec_decode_num_accepted_tokens_per_pos",
             "Proposals whose token at this position was accepted", ["position"], registry=r)
         self._spec_seen = SpecDecodeStats()
+        self.host_tier_restored = Counter(
+            "tandem:kv_host_tier_restored_blocks",
+            "Prefix-cache blocks copied back from the host KV tier instead of recomputed",
+            registry=r)
+        self.host_tier_bytes = Counter("tandem:kv_host_tier_bytes",
+                                       "Bytes moved between the KV cache and the host tier",
+                                       registry=r)
+        self._tier_seen = (0, 0)
 
     def observe_engine(self, engine) -> None:
         """Refresh the gauges and counters that mirror engine state (every step)."""
@@ -64,6 +72,10 @@ class WorkerMetrics(RequestMetrics):
         self.prefix_queries.inc(q - self._prefix_seen[0])
         self.prefix_hits.inc(h - self._prefix_seen[1])
         self._prefix_seen = (q, h)
+        restored, moved = stats.host_tier_restored_blocks, stats.host_tier_bytes
+        self.host_tier_restored.inc(restored - self._tier_seen[0])
+        self.host_tier_bytes.inc(moved - self._tier_seen[1])
+        self._tier_seen = (restored, moved)
         if stats.spec_decode is not None:
             self._observe_spec(stats.spec_decode)
 

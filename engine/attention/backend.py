@@ -52,6 +52,10 @@ class AttentionBackend(ABC):
     # True when Triton runs where this backend does: the model's RMSNorm and
     # rotary layers then use the fused kernels in kernels/ as well.
     fused_layers: bool = False
+    # Per-tensor scales of an 8-bit KV cache (engine/kv_quant.py): stored
+    # values are ``x / scale``. Unused for a cache in the model's dtype.
+    k_scale: float = 1.0
+    v_scale: float = 1.0
 
     @abstractmethod
     def forward(

@@ -4,6 +4,8 @@ On the CPU, when the kernel in cpu_attention.py builds here, decodes and
 short prefill chunks are served by it in one call, reading the paged cache in
 place, and longer prefill chunks by SDPA over their gathered blocks in the
 cache's dtype; otherwise, and on other devices, everything by kernels.reference.
+An 8-bit (fp8) cache is always served by kernels.reference, which widens the
+gathered blocks to float32 (the C kernel reads only caches in the query's dtype).
 """
 
 from __future__ import annotations
@@ -36,20 +38,22 @@ class TorchAttentionBackend(AttentionBackend):
             if meta.max_query_len >= SDPA_FROM:
                 cpu_attention.prefill_sdpa(*args, out=out, min_query_len=SDPA_FROM)
             return out
-        reference.store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+        kv_scales = (self.k_scale, self.v_scale)
+        reference.store_kv(key, value, k_cache, v_cache, meta.slot_mapping, *kv_scales)
         nd = meta.num_decode_seqs
         if nd == meta.num_seqs:
             return reference.paged_decode_attention(
-                query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale
+                query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, *kv_scales
             )
         out = torch.empty_like(query)
         if nd:
             out[:nd] = reference.paged_decode_attention(
-                query[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale
+                query[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
+                *kv_scales,
             )
         starts = meta.query_start_loc_cpu[nd:] - nd
         out[nd:] = reference.paged_prefill_attention(
             query[nd:], k_cache, v_cache, meta.block_tables[nd:], starts,
-            meta.seq_lens_cpu[nd:], scale,
+            meta.seq_lens_cpu[nd:], scale, *kv_scales,
         )
         return out

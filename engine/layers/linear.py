@@ -14,14 +14,17 @@ import torch
 from torch import nn
 
 from engine.layers.packed import Linear
+from engine.layers.scaled_linear import ScaledLinear
 from engine.parallel import TensorParallel
 from engine.quantization import QuantConfig
+from engine.quantization.compressed_config import CompressedConfig
 from engine.quantization.formats import to_tandem
 from kernels import reference
 
 
 def linear(
-    in_features: int, out_features: int, bias: bool, quant: QuantConfig | None, fused: bool,
+    in_features: int, out_features: int, bias: bool,
+    quant: QuantConfig | CompressedConfig | None, fused: bool,
     tp: TensorParallel | None = None, parallel: str | None = None,
 ) -> nn.Module:
     """This rank's part of an ``in_features`` -> ``out_features`` layer.
@@ -36,6 +39,8 @@ def linear(
         raise ValueError("a row-parallel layer cannot have a bias: every rank would add it")
     local_in = in_features // size if parallel == "row" else in_features
     local_out = out_features // size if parallel == "column" else out_features
+    if isinstance(quant, CompressedConfig):  # 8-bit weights with per-row scales
+        return ScaledLinear(local_in, local_out, bias, quant, parallel)
     if quant is None:
         layer = Linear(local_in, local_out, bias=bias)
         if parallel is not None:

@@ -179,6 +179,11 @@ class LlamaForCausalLM(nn.Module):
         """Copy one checkpoint tensor into its parameter, or into the slice of
         output features its shard of a fused projection owns. ``seen``: another
         shard already filled this parameter."""
+        if getattr(param, "broadcast_scalar", False) and tensor.numel() == 1:
+            # A per-tensor scale (compressed-tensors) fills every row of its shard.
+            offset, size = self._shard_range(target, shard, param.shape[0])
+            param.narrow(0, offset, size).fill_(tensor.reshape(()).item())
+            return
         tp_dim = getattr(param, "tp_dim", None)
         if tp_dim is not None and self.tp.size > 1:  # this rank's slice of the checkpoint
             tensor = tensor.chunk(self.tp.size, dim=tp_dim)[self.tp.rank]

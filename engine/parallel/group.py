@@ -94,10 +94,18 @@ class TensorParallel:
     def gather(self, local: torch.Tensor) -> list[torch.Tensor] | None:
         """Every rank's ``local`` (same shapes), in rank order, on rank 0."""
         parts = [torch.empty_like(local) for _ in range(self.size)] if self.rank == 0 else None
-        dist.gather(local.contiguous(), parts, dst=0)
+        # An fp8 KV cache's blocks travel as their bytes: gloo has no fp8 type.
+        dist.gather(_as_bytes(local.contiguous()),
+                    [_as_bytes(p) for p in parts] if parts is not None else None, dst=0)
         return parts
 
     def scatter(self, out: torch.Tensor, parts: list[torch.Tensor] | None = None) -> torch.Tensor:
         """Rank 0 hands ``parts[r]`` to rank r, which receives it into ``out``."""
-        dist.scatter(out, [p.contiguous() for p in parts] if self.rank == 0 else None, src=0)
+        dist.scatter(_as_bytes(out),
+                     [_as_bytes(p.contiguous()) for p in parts] if self.rank == 0 else None, src=0)
         return out
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A one-byte tensor (fp8) viewed as uint8, the same memory."""
+    return t.view(torch.uint8) if t.element_size() == 1 and t.dtype != torch.uint8 else t

@@ -1,4 +1,5 @@
-"""Quantize a float checkpoint into GPTQ or AWQ files (``tandem quantize``).
+"""Quantize a float checkpoint into GPTQ, AWQ or compressed-tensors (FP8/INT8)
+files (``tandem quantize``).
 
 Round-to-nearest with per-group min/max: the file formats of GPTQ and AWQ,
 not their calibration algorithms (those need data and a GPU, and choose
@@ -19,6 +20,7 @@ from safetensors.torch import save_file
 
 from engine.loader.resolve import resolve_model_dir
 from engine.loader.weights import iterate_weights
+from engine.quantization import compressed, compressed_config
 from engine.quantization.config import QuantConfig
 from engine.quantization.formats import checkpoint_tensors
 
@@ -47,7 +49,7 @@ def is_linear_weight(name: str) -> bool:
 
 
 def quantize_weights(
-    weights: Iterable[tuple[str, torch.Tensor]], quant: QuantConfig,
+    weights: Iterable[tuple[str, torch.Tensor]], quant: QuantConfig | compressed_config.CompressedConfig,
     g_idx_of: Callable[[str, torch.Tensor], torch.Tensor | None] | None = None,
 ) -> dict[str, torch.Tensor]:
     """A checkpoint's tensors with every linear weight replaced by its
@@ -58,9 +60,13 @@ def quantize_weights(
         if not is_linear_weight(name):
             tensors[name] = tensor.contiguous()
             continue
-        g_idx = g_idx_of(name, tensor) if g_idx_of is not None else None
         prefix = name.removesuffix(".weight")
-        for key, value in checkpoint_tensors(quant, tensor, g_idx).items():
+        if isinstance(quant, compressed_config.CompressedConfig):
+            written = compressed.checkpoint_tensors(quant, tensor)
+        else:
+            g_idx = g_idx_of(name, tensor) if g_idx_of is not None else None
+            written = checkpoint_tensors(quant, tensor, g_idx)
+        for key, value in written.items():
             tensors[f"{prefix}.{key}"] = value.contiguous()
     return tensors
 
@@ -81,13 +87,20 @@ def save_model(src: Path, out: Path, tensors: dict[str, torch.Tensor],
 
 def quantize_model(model: str | None, out: Path, method: str, bits: int, group_size: int) -> Path:
     """Write ``model`` (a directory, a .gguf, None: the bundled default)
-    quantized into ``out``, a new directory; returns it."""
+    quantized into ``out``, a new directory; returns it. ``method`` is gptq,
+    awq, or a compressed-tensors scheme of ``compressed_config.SCHEMES`` (8-bit
+    weights; ``bits`` and ``group_size`` are then unused)."""
     src = resolve_model_dir(model)
     out = Path(out)
     if out.exists():
         raise ValueError(f"{out} already exists; choose a new directory")
     if json.loads((src / "config.json").read_text()).get("quantization_config"):
         raise ValueError(f"{src} is quantized already; start from a float model")
+    if method in compressed_config.SCHEMES:
+        scheme = compressed_config.CompressedConfig(*compressed_config.SCHEMES[method])
+        cfg = scheme.to_dict()
+        tensors = quantize_weights(iterate_weights(src), scheme)
+        return save_model(src, out, tensors, {"quantization_config": cfg})
     cfg = quant_config_dict(method, bits, group_size)
     tensors = quantize_weights(iterate_weights(src), QuantConfig.from_dict(cfg))
     return save_model(src, out, tensors, {"quantization_config": cfg})

@@ -231,12 +231,26 @@ class ModelRunner:
 
     def _verify(self, spec: list[tuple[CachedRequestState, int, list[int]]],
                 logits: torch.Tensor, result: ModelRunnerOutput) -> None:
-        """Speculative decoding: keep what the target agrees with."""
-        seqs, at = [], 0
+        """Speculative decoding: keep what the target agrees with. A
+        constrained request's draft is cut to what its grammar allows and its
+        rows masked, so the tokens kept are the grammar's too."""
+        seqs, at, kept = [], 0, []
         for state, _, draft in spec:
+            rows = len(draft) + 1
+            if state.request_id in self.grammars:
+                draft, banned = self.grammars.draft_masks(state.request_id, draft)
+                if bool(banned[0].all()):  # the grammar allows no token at all
+                    result.grammar_dead_ends.append(state.request_id)
+                    at += rows
+                    continue
+                logits[at : at + len(draft) + 1].masked_fill_(banned.to(logits.device),
+                                                              float("-inf"))
             seqs.append(VerifyRows(state, draft, None, self._generator(state), at))
-            at += len(draft) + 1
-        for (state, _, _), tokens in zip(spec, verify(logits, seqs, self.model_cfg.vocab_size)):
+            kept.append(state)
+            at += rows
+        for state, tokens in zip(kept, verify(logits, seqs, self.model_cfg.vocab_size)):
+            for token in tokens:
+                self.grammars.accept(state.request_id, token)
             state.token_ids.extend(tokens)
             result.spec_tokens[state.request_id] = tokens
 

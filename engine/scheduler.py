@@ -174,6 +174,9 @@ class Scheduler:
         for s in out.scheduled:
             request = self.requests[s.request_id]
             if s.draft_token_ids:
+                if request.request_id in result.grammar_dead_ends:
+                    dead_ends.append(request)  # its grammar allows no token: it ends (below)
+                    continue
                 self._accept(request, s, result.spec_tokens[request.request_id])
                 changed.append(request)
                 continue

@@ -268,25 +268,30 @@ def test_ngram_greedy_output_is_unchanged(model):
     assert_all_free(engine)
 
 
-def test_a_constrained_request_beside_speculating_ones():
-    """A request with a structured output does not speculate (the verifier
-    applies no grammar mask): it keeps its grammar, and the others' greedy
-    output and speculation are unchanged."""
+def test_constrained_requests_speculate_within_their_grammar():
+    """A structured output's draft is cut to what its grammar allows and its
+    verified rows masked: the greedy text is the one without speculation,
+    inside the grammar, and drafts were accepted (the bigram model cycles,
+    so n-gram lookups hit within the grammar too)."""
     d = bigram("llama-gqa")
     prompts = random_prompts([6, 9, 12], seed=7)
     free = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    constrained = SamplingParams(temperature=0, max_tokens=40,
-                                 structured_outputs={"regex": "[0-9]{3}-[a-c]{2}"})
-    ref = generate(make_engine(d), prompts[:2], free)
+    constrained = [SamplingParams(temperature=0, max_tokens=40,
+                                  structured_outputs={"regex": pattern})
+                   for pattern in ("[a-d]{30}", "[0-9]{3}-[a-c]{2}")]
+    params = [free, *constrained]
+    ref = generate(make_engine(d), prompts, params)
     engine = make_engine(d, speculative_config=NGRAM)
-    for i, p in enumerate(prompts[:2]):
-        engine.add_request(str(i), p, free)
-    engine.add_request("c", prompts[2], constrained)
-    done = run_to_completion(engine)
-    assert {k: [c.token_ids for c in done[k].outputs] for k in ("0", "1")} == ref
-    assert re.fullmatch("[0-9]{3}-[a-c]{2}", done["c"].outputs[0].text)
+    out = generate(engine, prompts, params)
+    assert out == ref
+    texts = [engine.tokenizer.decode(out[k][0]) for k in ("1", "2")]
+    assert re.fullmatch("[a-d]{30}", texts[0]) and re.fullmatch("[0-9]{3}-[a-c]{2}", texts[1])
     assert spec_stats(engine).num_accepted_tokens > 0
+    alone = make_engine(d, speculative_config=NGRAM)
+    assert generate(alone, prompts[1:2], constrained[:1]) == {"0": ref["1"]}
+    assert spec_stats(alone).num_accepted_tokens > 0  # the constrained request itself
     assert_all_free(engine)
+    assert_all_free(alone)
 
 
 def test_prefix_hits_and_n_2_with_speculation():

@@ -119,8 +119,8 @@ class SpecDecoder:
 
 def speculates(request: Request) -> bool:
     """Whether the verifier can sample this sequence exactly as ``sample``
-    would: it applies temperature, top-k, top-p and min-p, not logprobs,
-    penalties, the ``min_tokens`` bans or a structured output's grammar mask."""
+    would: it applies temperature, top-k, top-p, min-p and a structured
+    output's grammar masks, not logprobs, penalties or the ``min_tokens`` bans."""
     p = request.params
-    return (p.logprobs is None and not p.has_penalties and p.structured_outputs is None
+    return (p.logprobs is None and not p.has_penalties
             and request.num_output_tokens >= p.min_tokens)

@@ -13,8 +13,10 @@ runs constrain alike.
 Per step: ``start`` computes the masks of the constrained rows on a helper
 thread (llguidance drops the GIL) while the forward runs; ``banned`` waits
 for them and returns the [rows, vocab] bool mask the sampler applies;
-``accept`` advances each matcher by its sampled token. A row whose grammar
-allows no token is a dead end: the request ends with finish_reason
+``accept`` advances each matcher by its sampled token. A speculating
+request's draft is cut to what its grammar allows and each verified row
+masked (``draft_masks``), so speculation keeps to the grammar too. A row
+whose grammar allows no token is a dead end: the request ends with finish_reason
 ``grammar_dead_end`` rather than a token outside the grammar.
 """
 
@@ -138,6 +140,29 @@ class GrammarMatchers:
         banned = banned_tokens(mask, self.vocab_size)
         banned[dead] = False
         return banned, set(dead)
+
+    def draft_masks(self, request_id: str, draft: list[int]) -> tuple[list[int], torch.Tensor]:
+        """Speculative decoding: the longest prefix of ``draft`` the grammar
+        allows from the request's state, and the [len(prefix) + 1, vocab]
+        banned mask of the rows that verify it (row i: after the first i
+        drafted tokens). The matcher is not advanced: ``accept`` the tokens
+        verification keeps."""
+        import llguidance
+        import llguidance.numpy as lnp
+
+        matcher = self._matchers[request_id]
+        draft = draft[: matcher.validate_tokens(draft)] if not matcher.is_error() else []
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor(self.threads)
+        mask = np.zeros((len(draft) + 1, (self.vocab_size + 31) // 32), dtype=np.int32)
+        if matcher.is_error():
+            pass  # all banned: a dead end
+        elif draft:
+            lnp.fill_next_token_bitmask_par_with_draft_tokens(
+                self._executor, [(matcher, 0, draft)], mask)
+        else:  # the first drafted token is outside the grammar: one row
+            lnp.fill_next_token_bitmask(matcher, mask, 0)
+        return draft, banned_tokens(mask, self.vocab_size)
 
     def accept(self, request_id: str, token: int) -> bool:
         """Advance the request's matcher by ``token``; False (and the matcher

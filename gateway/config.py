@@ -19,7 +19,7 @@ from gateway.tool_parsers import PARSERS
 from rpc.lease import DEFAULT_LEASE_MS
 from rpc.tls import TLSConfig, add_tls_arguments, tls_from_args
 
-TRANSPORTS = ("grpc", "torch")
+TRANSPORTS = ("grpc", "torch", "mooncake")
 
 
 def _opt(default: Any, help: str = "", flag: str | None = None, env: str | None = None,
@@ -80,11 +80,13 @@ class GatewayConfig:
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
-            raise ValueError(f"transport must be 'grpc' or 'torch', got {self.transport!r}")
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if not self.stall_timeout_s > 0:
             raise ValueError(f"stall_timeout_s must be positive, got {self.stall_timeout_s}")
-        if self.transport == "torch" and self.tls.enabled and not self.tls.allow_torch_transport:
-            raise ValueError("the torch transport is neither encrypted nor authenticated: under "
+        if self.transport in ("torch", "mooncake") and self.tls.enabled \
+                and not self.tls.allow_torch_transport:
+            raise ValueError(f"the {self.transport} transport is neither encrypted nor "
+                             "authenticated: under "
                              "TLS use --transport grpc, or --tls-allow-torch-transport on a "
                              "trusted network")
         if self.tls_client_ca_file:

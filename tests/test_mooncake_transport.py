@@ -66,6 +66,32 @@ def complete(gw, prompt: str, max_tokens: int = 24) -> str:
     return r.json()["choices"][0]["text"]
 
 
+def test_segments_move_exactly_the_named_blocks():
+    """Two registered caches in this process: the planned batch write puts
+    each source block's K and V of every layer into its destination block,
+    merges consecutive runs, and touches no other block."""
+    import torch
+
+    from engine.kv_blocks import KVBlocks
+    from kv_transfer.mooncake_transport import MooncakeEndpoint
+
+    shape = (12, 4, 2, 8)
+    src = KVBlocks([(torch.randn(shape), torch.randn(shape)) for _ in range(3)])
+    dst = KVBlocks([(torch.zeros(shape), torch.zeros(shape)) for _ in range(3)])
+    a, b = MooncakeEndpoint(src, "127.0.0.1"), MooncakeEndpoint(dst, "127.0.0.1")
+    try:
+        from_ids, to_ids = [2, 3, 4, 9, 0], [5, 6, 7, 1, 11]
+        segs = a.segments(b.target(), from_ids, to_ids)
+        assert len(segs[0]) == 6 * 3  # 3 runs in each of 6 regions
+        a.write(b.rpc_address, *segs)
+        assert torch.equal(dst.read(to_ids), src.read(from_ids))
+        others = [i for i in range(12) if i not in to_ids]
+        assert not dst.read(others).any()
+    finally:
+        a.close()
+        b.close()
+
+
 def test_workers_advertise_mooncake(workers):
     for w in workers[:3]:
         assert "mooncake" in info(w.address).transports

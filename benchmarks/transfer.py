@@ -220,6 +220,7 @@ def main() -> None:
               f"{blocks} blocks", flush=True)
         with LocalCluster() as cluster:
             decode = cluster.start("decode", ["--model", str(model), "--num-blocks", str(blocks),
+                                              "--dtype", "float32",  # this side's cache
                                               "--transport", "mooncake,grpc"])
             results.update(asyncio.run(bench_transports(decode.address, sizes, repeats)))
     print("  raw tcp ...", flush=True)

@@ -39,6 +39,9 @@ from rpc.protos import worker_pb2, worker_pb2_grpc
 logger = logging.getLogger("kv_transfer")
 
 PROTOCOLS = ("tcp", "rdma")
+# Longer runs are split: the engine moves segments in parallel (on this 2-core
+# loopback 1 MiB pieces moved 64 MiB ~1.8x faster than one 64 MiB segment).
+MAX_SEGMENT_BYTES = 1 << 20
 # Most repeats of a transfer's segments a preflight writes to reach PREFLIGHT_BYTES.
 MAX_PREFLIGHT_REPEATS = 64
 
@@ -93,7 +96,7 @@ class MooncakeEndpoint:
                  dst_block_ids: list[int]) -> tuple[list[int], list[int], list[int]]:
         """(sources, destinations, lengths) moving every layer's K and V of
         ``src_block_ids`` here to ``dst_block_ids`` there; runs of blocks
-        consecutive on both sides are one segment."""
+        consecutive on both sides are one segment, up to MAX_SEGMENT_BYTES."""
         if len(target.region_addrs) != len(self.regions):
             raise ValueError(f"the decode worker registered {len(target.region_addrs)} KV "
                              f"regions, this worker {len(self.regions)}")
@@ -107,6 +110,8 @@ class MooncakeEndpoint:
             else:
                 runs.append((s, d, 1))
         bb = self.block_bytes
+        most = max(1, MAX_SEGMENT_BYTES // bb)
+        runs = [(s + i, d + i, min(most, n - i)) for s, d, n in runs for i in range(0, n, most)]
         src, dst, lengths = [], [], []
         for (base, _), remote in zip(self.regions, target.region_addrs):
             for s, d, n in runs:

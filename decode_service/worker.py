@@ -149,7 +149,7 @@ class DecodeWorker(WorkerBase):
             add = self._continue_reserved(req)
         else:
             self.check_accepting()
-            if self.role != "both" and not req.output_token_ids:
+            if self.role != "both" and not req.output_token_ids and not req.local_prefill:
                 raise ValueError(
                     f"decode worker {self.worker_id} needs a reservation with the prompt's KV; "
                     "only a 'both' worker runs prompts itself"

@@ -15,6 +15,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.disagg_policy import POLICIES
 from gateway.tool_parsers import PARSERS
 from rpc.lease import DEFAULT_LEASE_MS
 from rpc.tls import TLSConfig, add_tls_arguments, tls_from_args
@@ -47,6 +48,13 @@ class GatewayConfig:
                                           "changes (rotation without a restart)",
                                     env="TANDEM_API_KEY_FILE")
     transport: str = _opt("grpc", choices=TRANSPORTS)
+    disagg_policy: str = _opt("always", "where prompts are computed: always on a prefill worker "
+                                        "(then the KV moves), never (on the decode worker), or "
+                                        "auto (per request, a cost model: "
+                                        "gateway/disagg_policy.py)", choices=POLICIES)
+    disagg_min_remote_tokens: int = _opt(256, "under --disagg-policy auto, prompts with at most "
+                                              "this many tokens not cached on the decode worker "
+                                              "are computed there")
     max_model_len: int | None = _opt(None)
     max_active_requests: int = _opt(256)
     lease_ms: int = _opt(DEFAULT_LEASE_MS, "how long a decode worker holds blocks reserved for a "
@@ -81,6 +89,12 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        if self.disagg_policy not in POLICIES:
+            raise ValueError(f"disagg_policy must be one of {POLICIES}, "
+                             f"got {self.disagg_policy!r}")
+        if self.disagg_min_remote_tokens < 0:
+            raise ValueError("disagg_min_remote_tokens must be >= 0, "
+                             f"got {self.disagg_min_remote_tokens}")
         if not self.stall_timeout_s > 0:
             raise ValueError(f"stall_timeout_s must be positive, got {self.stall_timeout_s}")
         if self.transport in ("torch", "mooncake") and self.tls.enabled \

@@ -42,6 +42,11 @@ PROTOCOLS = ("tcp", "rdma")
 # Longer runs are split: the engine moves segments in parallel (on this 2-core
 # loopback 1 MiB pieces moved 64 MiB ~1.8x faster than one 64 MiB segment).
 MAX_SEGMENT_BYTES = 1 << 20
+# Bounds a transfer's WriteKV stream, so a decode worker that hangs (stopped,
+# partitioned) fails the transfer instead of holding the prefill's blocks.
+# NOTE: it must exceed any write's duration: the decode worker stops holding
+# its blocks for the writer when the stream ends.
+TRANSFER_TIMEOUT_S = 120.0
 # Most repeats of a transfer's segments a preflight writes to reach PREFLIGHT_BYTES.
 MAX_PREFLIGHT_REPEATS = 64
 
@@ -169,7 +174,7 @@ class MooncakeSender(KVSender):
         stub = worker_pb2_grpc.WorkerStub(self.channels.get(ticket.decode_address))
         nbytes = sum(segments[2])
         start = time.perf_counter()
-        call = stub.WriteKV()
+        call = stub.WriteKV(timeout=TRANSFER_TIMEOUT_S)
         try:
             await call.write(worker_pb2.WriteKVMessage(begin=worker_pb2.WriteKVBegin(
                 request_id=request_id, prefill_worker_id=self.worker_id,

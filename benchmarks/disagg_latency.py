@@ -1,15 +1,16 @@
 """Time to first token and decode speed, disaggregated against colocated.
 
     PYTHONPATH=. python benchmarks/disagg_latency.py [--lengths 128 512 2048] [--requests 2]
-        [--max-tokens 16] [--transports grpc torch] [--model DIR_OR_GGUF]
+        [--max-tokens 16] [--transports grpc torch mooncake] [--model DIR_OR_GGUF]
 
 The model is the bundled SmolLM2-135M unless --model says otherwise (its
 GGUF is converted on the first start and cached). Two set-ups run one after
 the other, never at the same time:
 
     disagg-grpc / disagg-torch   1 prefill + 1 decode worker; the same two
-                                 processes, KV over the grpc transport, then
-                                 over torch.distributed (gloo on the CPU)
+    / disagg-mooncake            processes, KV over the grpc transport, then
+                                 over torch.distributed (gloo on the CPU), then
+                                 the Mooncake engine (tcp; when asked for)
     colocated                    1 worker with role "both"
 
 This process plays the gateway (Reserve -> Prefill -> Decode, or one Decode
@@ -155,7 +156,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--transports", nargs="+", default=["grpc", "torch"],
-                    choices=["grpc", "torch"])
+                    choices=["grpc", "torch", "mooncake"])
     ap.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -172,8 +173,10 @@ def main() -> None:
 
     print("disaggregated: 1 prefill + 1 decode worker", flush=True)
     with LocalCluster() as cluster:
-        prefill = cluster.start("prefill", model_args)
-        decode = cluster.start("decode", model_args)
+        # mooncake needs its transfer engine on both workers (grpc stands in if it cannot start)
+        moon = ["--transport", "mooncake,grpc"] if "mooncake" in args.transports else []
+        prefill = cluster.start("prefill", [*model_args, *moon])
+        decode = cluster.start("decode", [*model_args, *moon])
         results.update(asyncio.run(run_disaggregated(prefill.address, decode.address, args,
                                                      prompt, params)))
     print("colocated: 1 worker", flush=True)

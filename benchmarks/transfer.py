@@ -7,7 +7,9 @@ is 16 KiB per token (4 layers, 4 kv heads, head dim 128, float32), so a
 payload of N MiB is a prompt of 64*N tokens. This process plays the prefill
 worker: for each payload it reserves the blocks (Reserve), moves them with
 the real sender (``GrpcSender``: PushKV; ``TorchSender``: ExpectKV + gloo
-send) and frees them (Abort). Each transfer ends at the decode worker's
+send; ``MooncakeSender``: WriteKV around one-sided batch writes of the
+Mooncake transfer engine over its TCP protocol, from this process's
+registered cache into the decode worker's) and frees them (Abort). Each transfer ends at the decode worker's
 acknowledgement, after the bytes are in its KV cache.
 
 The baselines move the same number of bytes between this process and a
@@ -67,6 +69,7 @@ async def bench_transports(address: str, sizes: list[int], repeats: int) -> dict
     from engine.sampling_params import SamplingParams
     from kv_transfer.grpc_transport import GrpcSender
     from kv_transfer.layout import KVLayout
+    from kv_transfer.mooncake_transport import MooncakeEndpoint, MooncakeSender
     from kv_transfer.torch_transport import TorchSender
     from rpc.convert import params_to_proto
     from rpc.pool import ChannelPool
@@ -81,6 +84,12 @@ async def bench_transports(address: str, sizes: list[int], repeats: int) -> dict
     io = KVBlocks([(torch.randn(shape), torch.randn(shape)) for _ in range(LAYERS)])
     senders = {"grpc": GrpcSender(io, layout, channels),
                "torch": TorchSender(io, layout, channels, "bench-prefill")}
+    endpoint = None
+    if "mooncake" in info.transports:
+        endpoint = MooncakeEndpoint(io, "127.0.0.1")
+        senders["mooncake"] = MooncakeSender(endpoint, layout, channels, "bench-prefill")
+    else:
+        print("  mooncake: the decode worker could not start it (see its log); skipped")
     params = params_to_proto(SamplingParams(max_tokens=1))
     counter = 0
 
@@ -109,6 +118,8 @@ async def bench_transports(address: str, sizes: list[int], repeats: int) -> dict
         for mib in sizes:
             results[(name, mib)] = [await once(sender, mib) for _ in range(repeats)]
     await channels.close()
+    if endpoint is not None:
+        endpoint.close()
     return results
 
 
@@ -208,14 +219,17 @@ def main() -> None:
         print(f"decode worker: {model.name}, {TOKEN_BYTES // 1024} KiB of KV per token, "
               f"{blocks} blocks", flush=True)
         with LocalCluster() as cluster:
-            decode = cluster.start("decode", ["--model", str(model), "--num-blocks", str(blocks)])
+            decode = cluster.start("decode", ["--model", str(model), "--num-blocks", str(blocks),
+                                              "--dtype", "float32",  # this side's cache
+                                              "--transport", "mooncake,grpc"])
             results.update(asyncio.run(bench_transports(decode.address, sizes, repeats)))
     print("  raw tcp ...", flush=True)
     results.update(bench_tcp(sizes, repeats))
     print("  raw gloo ...", flush=True)
     results.update(bench_gloo(sizes, repeats))
 
-    columns = ["grpc", "torch", "raw tcp", "raw gloo"]
+    columns = [c for c in ("grpc", "torch", "mooncake", "raw tcp", "raw gloo")
+               if (c, sizes[0]) in results]
     print(f"\nKV transfer throughput, MiB/s (median of {repeats}; ms in brackets), "
           f"{torch.get_num_threads()} torch threads, {mp.cpu_count()} cpus")
     print(f"{'payload':>8} | " + " | ".join(f"{c:>18}" for c in columns))

@@ -47,7 +47,10 @@ class DecodeWorker(WorkerBase):
         self._reaper: asyncio.Task | None = None
 
     def transports(self) -> list[str]:
-        return ["grpc", "torch"] if self.torch_allowed else ["grpc"]
+        names = ["grpc", "torch"] if self.torch_allowed else ["grpc"]
+        if self.kv_transports.mooncake is not None:
+            names.append("mooncake")
+        return names
 
     # ---- reservations -------------------------------------------------------------
 
@@ -88,10 +91,12 @@ class DecodeWorker(WorkerBase):
         self.leases[request_id] = time.monotonic() + lease_ms / 1000
         self.receiver.expect(request_id, block_ids, req.attempt)
         self.metrics.reservations_held.set(len(self.leases))
+        mooncake = self.kv_transports.mooncake
         return worker_pb2.Ticket(
             request_id=request_id, decode_worker_id=self.worker_id, decode_address=self.address,
             block_ids=block_ids, lease_expiry_unix_ms=int((time.time() * 1000) + lease_ms),
             attempt=req.attempt, layout=self.layout.to_proto(),
+            mooncake=None if mooncake is None else mooncake.target(),
         )
 
     async def receive_grpc(self, chunks) -> int:
@@ -118,6 +123,24 @@ class DecodeWorker(WorkerBase):
     async def receive_preflight(self, chunks) -> int:
         return await self.receiver.receive_preflight(chunks)
 
+    async def receive_mooncake(self, messages):
+        if self.kv_transports.mooncake is None:
+            raise self._unimplemented("WriteKV (this worker runs no mooncake transfer engine)")
+        # Not made current: a context held across a yield would leak.
+        span = _tracer.start_span("kv_transfer.receive", context=otel_context.get_current(),
+                                  attributes={"transport": "mooncake"})
+        error = None
+        try:
+            async for reply in self.receiver.receive_mooncake(messages):
+                if reply.bytes_received:
+                    span.set_attribute("bytes", reply.bytes_received)
+                yield reply
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            end_span(span, None if isinstance(error, GeneratorExit) else error)
+
     # ---- decoding -------------------------------------------------------------------
 
     async def decode(self, req: worker_pb2.DecodeRequest) -> AsyncIterator[worker_pb2.DecodeChunk]:
@@ -126,7 +149,7 @@ class DecodeWorker(WorkerBase):
             add = self._continue_reserved(req)
         else:
             self.check_accepting()
-            if self.role != "both" and not req.output_token_ids:
+            if self.role != "both" and not req.output_token_ids and not req.local_prefill:
                 raise ValueError(
                     f"decode worker {self.worker_id} needs a reservation with the prompt's KV; "
                     "only a 'both' worker runs prompts itself"

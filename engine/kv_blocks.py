@@ -86,6 +86,20 @@ class KVBlocks:
         _put(k, idx, data[0])
         _put(v, idx, data[1])
 
+    def memory_regions(self) -> tuple[list[tuple[int, int]], int]:
+        """The cache's memory for one-sided transports (RDMA-style engines
+        register it and write blocks in place): ``(address, nbytes)`` of
+        each layer's K then V tensor, and the bytes of one block in one of
+        them. Block ``b`` of a region starts at ``address + b * block_nbytes``."""
+        regions = []
+        for k, v in self.kv_caches:
+            for t in (k, v):
+                if not t.is_contiguous():
+                    raise ValueError("the KV cache is not contiguous: no memory regions")
+                regions.append((t.data_ptr(), t.numel() * t.element_size()))
+        k = self.kv_caches[0][0]
+        return regions, k.stride(0) * k.element_size()
+
     def empty(self, num_layers: int | None, num_blocks: int) -> torch.Tensor:
         k = self.kv_caches[0][0]
         shape = (2, num_blocks, *k.shape[1:])

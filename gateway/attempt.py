@@ -7,8 +7,9 @@ before it), with a span around every call.
 
 When token 1 already ends the request (EOS, a stop token or string,
 max_tokens 1) there is no Decode call: the reservation is aborted. A
-colocated cluster, or a migration (tokens already sent), skips the first
-line: the decode worker runs the whole request.
+colocated cluster, a migration (tokens already sent), or a prompt the
+disaggregation policy keeps local (gateway/disagg_policy.py) skips the
+first line: the decode worker runs the whole request.
 
 A failed call to a worker leaves here as one of two things, decided in
 ``_worker_failure`` and nowhere else: ``AttemptFailed`` when another worker
@@ -20,10 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import grpc
 
+from gateway.disagg_policy import Decision, DisaggPolicy
 from gateway.request_record import RequestRecords
 from gateway.router import WorkerPool, WorkerView
 from gateway.sequence import Chunk, Sequence
@@ -75,8 +78,12 @@ def _worker_failure(err: grpc.aio.AioRpcError) -> Exception:
 
 class Attempts:
     def __init__(self, pool: WorkerPool, records: RequestRecords, transport: str,
-                 lease_ms: int, stall_timeout_s: float) -> None:
+                 lease_ms: int, stall_timeout_s: float, policy: DisaggPolicy | None = None,
+                 on_decision=None) -> None:
+        """``on_decision(Decision)``: observes every choice of where to prefill."""
         self.pool = pool
+        self.policy = policy or DisaggPolicy()
+        self.on_decision = on_decision
         self.records = records
         self.transport = transport
         self.lease_ms = lease_ms
@@ -102,14 +109,19 @@ class Attempts:
                 raise NoWorkerAvailable("no decode worker is available")
             raise Overloaded("no decode worker has room for the request")
         params = params_to_proto(seq.params)
-        if self.pool.colocated or seq.sent:
-            # The worker runs the whole request: colocated, or a migration that
-            # recomputes prompt + tokens already sent.
+        local = self.pool.colocated or bool(seq.sent) or not self._decide(seq, candidates,
+                                                                          tried).remote
+        if local:
+            # The worker runs the whole request: colocated, a migration that
+            # recomputes prompt + tokens already sent, or the policy's choice.
             decode = candidates[0]
             request = worker_pb2.DecodeRequest(
                 request_id=seq.request_id, prompt_token_ids=seq.prompt,
                 output_token_ids=seq.sent, params=params, attempt=seq.attempt,
+                local_prefill=not self.pool.colocated and not seq.sent,
             )
+            if not seq.sent:
+                self.policy.routed(decode.address, seq.prompt, decode.block_size)
             await self.records.state(seq, State.DECODING, decode=decode)
         else:
             decode, ticket = await self._reserve(seq, candidates, params)
@@ -133,6 +145,22 @@ class Attempts:
             )
         async for chunk in self._decode(seq, decode, request, tried):
             yield chunk
+
+    def _decide(self, seq: Sequence, candidates: list[WorkerView], tried: set[str]) -> Decision:
+        """Prefill remotely or on ``candidates[0]``; the choice and its
+        inputs go on a span of the request and to ``on_decision``."""
+        decode = candidates[0]
+        prefill = self.pool.pick_prefill(seq.prompt, tried) or self.pool.pick_prefill(
+            seq.prompt, seq.aborting)
+        decision = self.policy.decide(seq.prompt, decode, prefill, decode.kv_bytes_per_token)
+        span = _tracer.start_span("gateway.disagg_decision", context=seq.trace_ctx, attributes={
+            "policy": self.policy.policy, "remote": decision.remote, "reason": decision.reason,
+            "decode": decode.address, "prefill": prefill.address if prefill else "",
+            **{f"input.{k}": v for k, v in decision.inputs.items()}})
+        end_span(span)
+        if self.on_decision is not None:
+            self.on_decision(decision)
+        return decision
 
     async def _reserve(self, seq: Sequence, candidates: list[WorkerView], params):
         refused: grpc.aio.AioRpcError | None = None
@@ -200,9 +228,14 @@ class Attempts:
                     request_id=seq.request_id, prompt_token_ids=seq.prompt, params=params,
                     ticket=ticket, transport=self.transport,
                 ))
+            start = time.monotonic()
             reply = await call
             span.set_attribute("kv_bytes", reply.kv_bytes)
             end_span(span)
+            self.policy.routed(prefill.address, seq.prompt, prefill.block_size)
+            self.policy.observe_prefill(
+                prefill.address, ticket.decode_address, len(seq.prompt) - reply.num_cached_tokens,
+                time.monotonic() - start, reply.kv_bytes, reply.transfer_seconds)
             return reply
         except grpc.aio.AioRpcError as err:
             end_span(span, err)

@@ -15,11 +15,12 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.disagg_policy import POLICIES
 from gateway.tool_parsers import PARSERS
 from rpc.lease import DEFAULT_LEASE_MS
 from rpc.tls import TLSConfig, add_tls_arguments, tls_from_args
 
-TRANSPORTS = ("grpc", "torch")
+TRANSPORTS = ("grpc", "torch", "mooncake")
 
 
 def _opt(default: Any, help: str = "", flag: str | None = None, env: str | None = None,
@@ -47,6 +48,13 @@ class GatewayConfig:
                                           "changes (rotation without a restart)",
                                     env="TANDEM_API_KEY_FILE")
     transport: str = _opt("grpc", choices=TRANSPORTS)
+    disagg_policy: str = _opt("always", "where prompts are computed: always on a prefill worker "
+                                        "(then the KV moves), never (on the decode worker), or "
+                                        "auto (per request, a cost model: "
+                                        "gateway/disagg_policy.py)", choices=POLICIES)
+    disagg_min_remote_tokens: int = _opt(256, "under --disagg-policy auto, prompts with at most "
+                                              "this many tokens not cached on the decode worker "
+                                              "are computed there")
     max_model_len: int | None = _opt(None)
     max_active_requests: int = _opt(256)
     lease_ms: int = _opt(DEFAULT_LEASE_MS, "how long a decode worker holds blocks reserved for a "
@@ -80,11 +88,19 @@ class GatewayConfig:
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
-            raise ValueError(f"transport must be 'grpc' or 'torch', got {self.transport!r}")
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        if self.disagg_policy not in POLICIES:
+            raise ValueError(f"disagg_policy must be one of {POLICIES}, "
+                             f"got {self.disagg_policy!r}")
+        if self.disagg_min_remote_tokens < 0:
+            raise ValueError("disagg_min_remote_tokens must be >= 0, "
+                             f"got {self.disagg_min_remote_tokens}")
         if not self.stall_timeout_s > 0:
             raise ValueError(f"stall_timeout_s must be positive, got {self.stall_timeout_s}")
-        if self.transport == "torch" and self.tls.enabled and not self.tls.allow_torch_transport:
-            raise ValueError("the torch transport is neither encrypted nor authenticated: under "
+        if self.transport in ("torch", "mooncake") and self.tls.enabled \
+                and not self.tls.allow_torch_transport:
+            raise ValueError(f"the {self.transport} transport is neither encrypted nor "
+                             "authenticated: under "
                              "TLS use --transport grpc, or --tls-allow-torch-transport on a "
                              "trusted network")
         if self.tls_client_ca_file:

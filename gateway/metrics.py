@@ -18,6 +18,10 @@ class GatewayMetrics(RequestMetrics):
         # they are the requests in flight (--max-active-requests bounds them).
         self.waiting = Gauge("vllm:num_requests_waiting",
                              "Requests admitted that have no token yet", registry=self.registry)
+        self.disagg_decisions = Counter(
+            "tandem:disagg_decisions", "Where prompts were computed (--disagg-policy): "
+            "remote on a prefill worker, or local on the decode worker", ["policy", "where"],
+            registry=self.registry)
         self.state_store_up = Gauge("tandem:state_store_up",
                                     "1 while the request state store (Redis) answers; 0 while "
                                     "records are held in the gateway's memory",

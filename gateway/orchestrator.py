@@ -24,6 +24,7 @@ from opentelemetry import trace
 
 from engine.sampling_params import SamplingParams
 from gateway.attempt import AttemptFailed, Attempts, NoWorkerAvailable
+from gateway.disagg_policy import DisaggPolicy
 from gateway.fan_in import FanIn
 from gateway.request_record import RequestRecords
 from gateway.router import WorkerPool
@@ -47,10 +48,12 @@ class StreamFailed(TandemError):
 
 class Orchestrator:
     def __init__(self, pool: WorkerPool, store: StateStore, transport: str, lease_ms: int,
-                 max_attempts: int, stall_timeout_s: float) -> None:
+                 max_attempts: int, stall_timeout_s: float,
+                 policy: DisaggPolicy | None = None, on_decision=None) -> None:
         self.pool = pool
         self.records = RequestRecords(store)
-        self.attempts = Attempts(pool, self.records, transport, lease_ms, stall_timeout_s)
+        self.attempts = Attempts(pool, self.records, transport, lease_ms, stall_timeout_s,
+                                 policy, on_decision)
         self.max_attempts = max_attempts
         self._winding_up: set[asyncio.Task] = set()  # strong references until done
         self._active: dict[str, list[Sequence]] = {}  # request id -> its sequences

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from engine.config import DTYPE_SIZES
 from rpc.pool import ChannelPool
 from rpc.protos import worker_pb2, worker_pb2_grpc
 
@@ -46,6 +47,7 @@ class WorkerView:
     free_blocks: int = 0
     num_blocks: int = 0
     block_size: int = 16
+    kv_bytes_per_token: int = 0  # K and V of every layer, from its KV layout
     num_running: int = 0
     num_waiting: int = 0
     healthy: bool = False
@@ -167,6 +169,9 @@ class WorkerPool:
         w.role, w.worker_id = info.role, info.worker_id
         w.free_blocks, w.num_blocks = info.free_blocks, info.num_blocks
         w.block_size = info.layout.block_size or 16
+        lay = info.layout
+        w.kv_bytes_per_token = (2 * lay.num_layers * lay.num_kv_heads * lay.head_dim
+                                * DTYPE_SIZES.get(lay.dtype, 2))
         w.num_running, w.num_waiting = info.num_running, info.num_waiting
         w.draining = info.draining
         w.healthy, w.last_seen = True, time.monotonic()

@@ -22,6 +22,7 @@ from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from gateway.auth import ApiKeys
 from gateway.config import GatewayConfig
+from gateway.disagg_policy import DisaggPolicy
 from gateway.fallback_store import FallbackStore
 from gateway.metrics import GatewayMetrics
 from gateway.orchestrator import Orchestrator
@@ -63,9 +64,12 @@ class GatewayService:
             self.store = FallbackStore(self.store, config.finished_ttl_s,
                                        on_change=self.metrics.state_store_up.set)
         self.metrics.state_store_up.set(1)
-        self.orchestrator = Orchestrator(self.pool, self.store, config.transport,
-                                         config.lease_ms, config.max_attempts,
-                                         config.stall_timeout_s)
+        policy = DisaggPolicy(config.disagg_policy, config.disagg_min_remote_tokens)
+        self.orchestrator = Orchestrator(
+            self.pool, self.store, config.transport, config.lease_ms, config.max_attempts,
+            config.stall_timeout_s, policy,
+            on_decision=lambda d: self.metrics.disagg_decisions.labels(
+                policy.policy, "remote" if d.remote else "local").inc())
         self.active = 0
         self.draining = False
         self.created = int(time.time())

@@ -184,6 +184,40 @@ class KVReceiver:
         except Exception as exc:
             logger.warning("could not drop a refused transfer of %s: %s", req.request_id, exc)
 
+    # ---- mooncake transport ---------------------------------------------------------------
+
+    async def receive_mooncake(self, messages: AsyncIterator[worker_pb2.WriteKVMessage],
+                               ) -> AsyncIterator[worker_pb2.WriteKVReply]:
+        """The control half of a one-sided write (kv_transfer/mooncake_transport.py):
+        begin -> ready (the reservation is marked as being written), then
+        done -> the bytes, once the completion count matches the reservation."""
+        it = aiter(messages)
+        begin = await anext(it, None)
+        if begin is None or begin.WhichOneof("kind") != "begin":
+            raise ValueError("a mooncake transfer starts with a begin message")
+        b = begin.begin
+        self.layout.check_compatible(KVLayout.from_proto(b.layout), "sender")
+        r = self._begin(b.request_id, b.attempt)
+        start, finished = time.perf_counter(), False
+        try:
+            if b.num_blocks != len(r.block_ids):
+                raise ValueError(f"{b.num_blocks} blocks announced, {len(r.block_ids)} reserved")
+            yield worker_pb2.WriteKVReply(ready=True)
+            done = await anext(it, None)
+            if done is None or done.WhichOneof("kind") != "done":
+                raise ValueError("the mooncake transfer ended before its done message")
+            if done.done.num_blocks != len(r.block_ids):
+                raise ValueError(f"{done.done.num_blocks} blocks written, "
+                                 f"{len(r.block_ids)} reserved")
+            r.bytes_received = done.done.bytes_written
+            received = self._finish(b.request_id, r, "mooncake", start)  # checks the count
+            finished = True
+        except BaseException:
+            if not finished:
+                self._abandon(b.request_id, r, "mooncake", start)
+            raise
+        yield worker_pb2.WriteKVReply(bytes_received=received)
+
     # ---- grpc preflight ---------------------------------------------------------------------
 
     async def receive_preflight(self, chunks: AsyncIterator[worker_pb2.PreflightChunk]) -> int:

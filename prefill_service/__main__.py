@@ -1,4 +1,4 @@
-"""python -m prefill_service --model ... --port ... [--transport grpc|torch]"""
+"""python -m prefill_service --model ... --port ... [--transport mooncake,grpc]"""
 
 from __future__ import annotations
 
@@ -13,8 +13,7 @@ def main(argv: list[str] | None = None) -> None:
     # The torch transport's store listens on --host; peers reach it at the
     # advertised host.
     run(lambda engine, wid, addr, args, **kw: PrefillWorker(
-            engine, wid, addr, default_transport=args.transport,
-            host=args.advertise_host or args.host, bind_host=args.host, **kw),
+            engine, wid, addr, host=args.advertise_host or args.host, bind_host=args.host, **kw),
         DESCRIPTION, ROLES, argv)
 
 

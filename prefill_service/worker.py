@@ -15,6 +15,7 @@ from engine.llm_engine import LLMEngine
 from kv_transfer.base import KVSender
 from kv_transfer.grpc_transport import GrpcSender
 from kv_transfer.layout import KVLayout
+from kv_transfer.mooncake_transport import MooncakeSender
 from kv_transfer.progress import PrefillProgress
 from kv_transfer.torch_transport import TorchSender
 from rpc.convert import logprobs_to_proto, params_from_proto
@@ -32,10 +33,10 @@ class PrefillWorker(WorkerBase):
     role = "prefill"
 
     def __init__(self, engine: LLMEngine, worker_id: str, address: str,
-                 default_transport: str = "grpc", host: str = "127.0.0.1",
-                 bind_host: str | None = None, **kwargs) -> None:
+                 host: str = "127.0.0.1", bind_host: str | None = None, **kwargs) -> None:
         """``host``: where decode workers reach this one (the torch
-        transport's store); ``bind_host``: where that store listens."""
+        transport's store); ``bind_host``: where that store listens. The
+        first transport of ``transports`` that starts is the default."""
         super().__init__(engine, worker_id, address, **kwargs)
         self.channels = ChannelPool(self.tls)
         self.senders: dict[str, KVSender] = {
@@ -43,11 +44,10 @@ class PrefillWorker(WorkerBase):
             "torch": TorchSender(self.io, self.layout, self.channels, worker_id, host,
                                  bind_host),
         }
-        if default_transport not in self.senders:
-            raise ValueError(f"unknown transport {default_transport!r}; choose grpc or torch")
-        if default_transport == "torch":
-            self.check_torch_allowed()
-        self.default_transport = default_transport
+        if self.kv_transports.mooncake is not None:
+            self.senders["mooncake"] = MooncakeSender(self.kv_transports.mooncake, self.layout,
+                                                      self.channels, worker_id)
+        self.default_transport = self.kv_transports.default
         for sender in self.senders.values():
             sender.on_preflight.append(
                 lambda transport, peer, rate: self.metrics.peer_bandwidth.labels(
@@ -58,6 +58,25 @@ class PrefillWorker(WorkerBase):
 
     def transports(self) -> list[str]:
         return [t for t in self.senders if t != "torch" or self.torch_allowed]
+
+    def _sender_for(self, wanted: str, ticket: worker_pb2.Ticket) -> KVSender:
+        """The sender of transport ``wanted``, or, when this worker or the
+        ticket's decode worker does not run it, the next usable one (logged
+        and counted: never a silent downgrade)."""
+        if wanted not in ("grpc", "torch", "mooncake"):
+            raise ValueError(f"unknown transport {wanted!r}; choose grpc, torch or mooncake")
+        if wanted == "torch":
+            self.check_torch_allowed()
+            return self.senders["torch"]
+        if wanted == "mooncake" and "mooncake" not in self.senders:
+            wanted = self.kv_transports.fallback(
+                "mooncake", "this worker has no mooncake transfer engine",
+                lambda t: t != "torch" or self.torch_allowed)
+        elif wanted == "mooncake" and not ticket.HasField("mooncake"):
+            wanted = self.kv_transports.fallback(
+                "mooncake", f"decode worker {ticket.decode_worker_id} runs no mooncake "
+                "transfer engine", lambda t: t == "grpc")
+        return self.senders[wanted]
 
     async def abort(self, request_id: str) -> bool:
         transfer = self.transfers.get(request_id)
@@ -74,11 +93,7 @@ class PrefillWorker(WorkerBase):
                                      f"decode worker {ticket.decode_worker_id}")
         if ticket.lease_expiry_unix_ms and ticket.lease_expiry_unix_ms < time.time() * 1000:
             raise Fenced(f"the reservation of {req.request_id!r} has expired")
-        sender = self.senders.get(req.transport or self.default_transport)
-        if sender is None:
-            raise ValueError(f"unknown transport {req.transport!r}; choose grpc or torch")
-        if sender.name == "torch":
-            self.check_torch_allowed()
+        sender = self._sender_for(req.transport or self.default_transport, ticket)
         params = params_from_proto(req.params)
         if params.n != 1:
             raise ValueError("a prefill is for one sequence (n=1); the gateway fans out n")
@@ -236,7 +251,7 @@ class PrefillWorker(WorkerBase):
         for sender in self.senders.values():
             await sender.close()
         await self.channels.close()
-        await super().close()
+        await super().close()  # the mooncake endpoint goes with the worker's transports
 
 
 def _watcher(engine: LLMEngine, request_id: str, progress: PrefillProgress):

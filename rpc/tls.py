@@ -107,8 +107,9 @@ _HELP = {
                "the gateway and workers and between workers",
     "server_name": "name peer certificates are checked against instead of the host in their "
                    "address (for run-time IP addresses)",
-    "allow_torch_transport": "allow the torch KV transport under TLS although it is neither "
-                             "encrypted nor authenticated (a trusted network only)",
+    "allow_torch_transport": "allow the torch and mooncake KV transports under TLS although "
+                             "they are neither encrypted nor authenticated (a trusted network "
+                             "only)",
 }
 
 

@@ -8,6 +8,9 @@ if ! command -v redis-server >/dev/null; then
     echo "installing redis-server (Debian package)"
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
 fi
+if ! ldconfig -p | grep -q 'libibverbs.so.1' || ! ldconfig -p | grep -q 'librdmacm.so.1'; then
+    bash scripts/install_rdma_libs.sh
+fi
 if ! command -v docker-compose >/dev/null; then
     echo "installing docker-compose (validation only; no Docker engine runs here)"
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends docker-compose >/dev/null \

@@ -28,7 +28,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="REST port of the gateway")
     p.add_argument("--grpc-port", type=int, default=50051, help="gRPC port of the gateway")
-    p.add_argument("--transport", default="grpc", choices=["grpc", "torch"])
+    p.add_argument("--transport", default="grpc", choices=["grpc", "torch", "mooncake"],
+                   help="KV transport (mooncake: workers fall back to grpc if it cannot start)")
     p.add_argument("--state-url", default=None,
                    help="Redis URL (default: the gateway's in-process store)")
     p.add_argument("--kv-cache-gib", type=float,
@@ -58,9 +59,12 @@ def start_cluster(args: argparse.Namespace, cluster: LocalCluster):
     def placed(i: int) -> list[str]:
         return [] if cores is None else ["--cpu-cores", cores[i]]
 
-    prefills = [cluster.start("prefill", [*common, "--transport", args.transport, *placed(i)])
+    worker_transports = "mooncake,grpc" if args.transport == "mooncake" else args.transport
+    prefills = [cluster.start("prefill", [*common, "--transport", worker_transports,
+                                          *placed(i)])
                 for i in range(args.prefill)]
-    decodes = [cluster.start(decode_role, [*common, *placed(args.prefill + i)])
+    decodes = [cluster.start(decode_role, [*common, "--transport", worker_transports,
+                                           *placed(args.prefill + i)])
                for i in range(args.decode)]
     gateway_args = [*model, "--host", args.host, "--port", str(args.port),
                     "--grpc-port", str(args.grpc_port), "--transport", args.transport]

@@ -14,7 +14,7 @@ from gateway.config import GatewayConfig, cli_fields, flag_of, from_args
 KNOWN_FLAGS = {
     "--model", "--served-model-name", "--prefill", "--decode", "--state-url", "--api-key",
     "--api-key-file",
-    "--transport", "--max-model-len", "--max-active-requests", "--lease-ms",
+    "--transport", "--disagg-policy", "--disagg-min-remote-tokens", "--max-model-len", "--max-active-requests", "--lease-ms",
     "--max-attempts", "--stall-timeout-s", "--finished-ttl", "--grace",
     # Request limits.
     "--max-body-bytes", "--max-n", "--max-prompts", "--max-messages", "--max-stop",

@@ -15,6 +15,7 @@ from rpc.protos import worker_pb2
 from rpc.tls import TLSConfig
 from worker.metrics import WorkerMetrics
 from worker.peers import PeerPolicy
+from worker.transports import TransportConfig, Transports
 
 logger = logging.getLogger("worker")
 
@@ -24,9 +25,11 @@ class WorkerBase:
 
     def __init__(self, engine: LLMEngine, worker_id: str, address: str,
                  metrics: WorkerMetrics | None = None, tls: TLSConfig | None = None,
-                 peers: PeerPolicy | None = None) -> None:
+                 peers: PeerPolicy | None = None,
+                 transports: TransportConfig | None = None) -> None:
         """``tls``: calls to other workers are mTLS; ``peers``: which workers
-        a call may name (worker/peers.py; default: any)."""
+        a call may name (worker/peers.py; default: any); ``transports``: the
+        KV transports to start (worker/transports.py; default grpc)."""
         self.engine = engine
         self.aengine = AsyncEngineLoop(engine)
         self.worker_id = worker_id
@@ -42,11 +45,13 @@ class WorkerBase:
         self.evicted: set[str] = set()
         self.tls = tls or TLSConfig()
         self.peers = peers or PeerPolicy()
+        self.kv_transports = Transports(transports or TransportConfig(), self.io,
+                                        self.torch_allowed, self.metrics)
 
     @property
     def torch_allowed(self) -> bool:
-        """The torch KV transport neither encrypts nor authenticates: under
-        TLS only with ``--tls-allow-torch-transport``."""
+        """The torch and mooncake KV transports neither encrypt nor
+        authenticate: under TLS only with ``--tls-allow-torch-transport``."""
         return not self.tls.enabled or self.tls.allow_torch_transport
 
     def check_torch_allowed(self) -> None:
@@ -101,6 +106,11 @@ class WorkerBase:
     async def receive_preflight(self, chunks: AsyncIterator[worker_pb2.PreflightChunk]) -> int:
         raise self._unimplemented("Preflight")
 
+    async def receive_mooncake(self, messages: AsyncIterator[worker_pb2.WriteKVMessage],
+                               ) -> AsyncIterator[worker_pb2.WriteKVReply]:
+        raise self._unimplemented("WriteKV")
+        yield  # NOTE: unreachable; makes this an async generator like a role's own
+
     async def abort(self, request_id: str) -> bool:
         found = request_id in self.inflight or self.engine.has_request(request_id)
         await self.aengine.abort(request_id)
@@ -127,4 +137,5 @@ class WorkerBase:
 
     async def close(self) -> None:
         await self.aengine.shutdown()
+        await asyncio.get_running_loop().run_in_executor(None, self.kv_transports.close)
         await self.peers.close()

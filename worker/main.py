@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from engine.cli_args import add_engine_args, config_from_args
 from engine.llm_engine import LLMEngine
+from kv_transfer.mooncake_transport import PROTOCOLS
 from rpc.logs import setup_logging
 from rpc.parent_death import die_with_parent
 from rpc.protos import worker_pb2, worker_pb2_grpc
@@ -25,10 +26,11 @@ from worker.cpu_cores import format_cores, pin_to_cores
 from worker.peers import PeerPolicy
 from worker.registry import Registration
 from worker.servicer import WorkerServicer
+from worker.transports import TransportConfig
 
 logger = logging.getLogger("worker")
 
-# (engine, worker id, address, flags, **WorkerBase keywords: tls, peers)
+# (engine, worker id, address, flags, **WorkerBase keywords: tls, peers, transports)
 WorkerFactory = Callable[..., WorkerBase]
 
 
@@ -50,8 +52,15 @@ def parser(description: str, roles: list[str]) -> argparse.ArgumentParser:
                    help="a worker this one may connect to (repeatable); with --state-url, "
                         "registered workers are allowed too; with neither, any")
     g.add_argument("--grace", type=float, default=10.0, help="seconds to drain on SIGTERM")
-    g.add_argument("--transport", default="grpc", choices=["grpc", "torch"],
-                   help="default KV transport of a prefill worker")
+    g.add_argument("--transport", default="grpc", metavar="LIST",
+                   help="KV transports to run, in order of preference, e.g. mooncake,grpc "
+                        "(grpc, torch, mooncake): one that cannot start is skipped with a "
+                        "warning and the next stands in; the first is a prefill worker's "
+                        "default. A decode worker runs mooncake only when listed")
+    g.add_argument("--mooncake-protocol", default="tcp", choices=list(PROTOCOLS),
+                   help="the mooncake transport's protocol: tcp anywhere, rdma with an RDMA NIC")
+    g.add_argument("--mooncake-device", default="",
+                   help="RDMA NIC(s) for --mooncake-protocol rdma, e.g. mlx5_0 (default: any)")
     g.add_argument("--log-format", default="plain", choices=["plain", "json"])
     g.add_argument("--cpu-cores", default=None, metavar="LIST",
                    help="compute only on these cores, e.g. 0-3 (one torch thread each); "
@@ -75,6 +84,9 @@ def run(make_worker: WorkerFactory, description: str, roles: list[str],
     try:  # bad TLS files or peers end the start-up here, before the model loads
         args.tls = tls_from_args(args)
         args.peers = PeerPolicy(args.peer, args.state_url)
+        args.transports = TransportConfig.parse(
+            args.transport, host=args.advertise_host or args.host,
+            mooncake_protocol=args.mooncake_protocol, mooncake_device=args.mooncake_device)
     except ValueError as exc:
         p.error(str(exc))
     if args.tls.enabled and not args.tls.mutual:
@@ -103,13 +115,15 @@ async def serve(make_worker: WorkerFactory, args: argparse.Namespace) -> None:
     host = args.advertise_host or args.host
     worker_id = args.worker_id or f"{args.role}-{socket.gethostname()}-{server.port}"
     address = f"{host}:{server.port}"
-    worker = make_worker(engine, worker_id, address, args, tls=tls, peers=args.peers)
+    worker = make_worker(engine, worker_id, address, args, tls=tls, peers=args.peers,
+                         transports=args.transports)
     if args.peers.open and not _loopback(args.host):
         logger.warning("no --peer and no --state-url: this worker connects to any peer a call "
                        "names; let only the gateway reach it (or use mTLS)")
     if tls.enabled and tls.allow_torch_transport:
-        logger.warning("--tls-allow-torch-transport: KV over the torch transport is neither "
-                       "encrypted nor authenticated; keep the workers on a trusted network")
+        logger.warning("--tls-allow-torch-transport: KV over the torch and mooncake transports "
+                       "is neither encrypted nor authenticated; keep the workers on a trusted "
+                       "network")
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(worker), server.server)
     server.add_service(worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name)
     registration = Registration(args.state_url, worker) if args.state_url else None

@@ -41,6 +41,11 @@ class WorkerMetrics(RequestMetrics):
         self.peer_bandwidth = Gauge("tandem:kv_transport_bandwidth_bytes_per_second",
                                     "KV transport bandwidth to a peer, measured by the preflight on first contact",
                                     ["transport", "peer"], registry=r)
+        self.transport_fallbacks = Counter(
+            "tandem:kv_transport_fallbacks",
+            "A KV transport stood in for another that could not start (when=start) or that "
+            "this worker or its peer does not run (when=request)",
+            ["wanted", "used", "when"], registry=r)
         self._prefix_seen = (0, 0)
         # Speculative decoding, as vLLM names it (zero without speculation).
         self.spec_drafts = Counter("vllm:spec_decode_num_drafts",

@@ -52,3 +52,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def Preflight(self, request_iterator, context):
         received = await self.worker.receive_preflight(request_iterator)
         return worker_pb2.PushKVResponse(bytes_received=received)
+
+    async def WriteKV(self, request_iterator, context):
+        async for reply in self.worker.receive_mooncake(request_iterator):
+            yield reply

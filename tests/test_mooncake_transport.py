@@ -1,0 +1,237 @@
+"""The mooncake KV transport between real worker processes, over the
+transfer engine's TCP protocol on loopback: a gateway on it gives the
+colocated greedy text and leaks no block; a decode worker killed while a
+transfer waits on it costs the prefill worker nothing and the gateway
+retries; a transport that cannot start (protocol rdma without an RDMA NIC)
+falls back to grpc, logged and counted.
+
+Needs the ``mooncake-transfer-engine-non-cuda`` wheel and Debian's
+``libibverbs1``/``librdmacm1`` (scripts/install_rdma_libs.sh).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import signal
+
+import grpc
+import pytest
+from gateway_fixtures import (
+    cluster_fixture,
+    info,
+    sigkill,
+    start_gateway,
+    start_workers,
+    tiny_model,
+    wait_blocks_free,
+    wait_until,
+)
+from worker_fixtures import Gateway, metric, params, scrape, start_worker
+
+pytest.importorskip("mooncake.engine", reason="the mooncake wheel or its RDMA libraries "
+                    "are missing (scripts/install_rdma_libs.sh)")
+
+NUM_BLOCKS = 64
+MOONCAKE = ("--transport", "mooncake,grpc")
+PROMPTS = ["the quick brown fox", "a" * 150, "tandem " * 30]
+
+cluster = cluster_fixture()
+
+
+@pytest.fixture(scope="module")
+def workers(cluster):
+    """A prefill worker and two decode workers on mooncake, and a colocated one."""
+    disagg = start_workers(cluster, ["prefill", "decode", "decode"], NUM_BLOCKS, *MOONCAKE,
+                           metrics=True)
+    both = start_workers(cluster, ["both"], NUM_BLOCKS)
+    return disagg + both
+
+
+@pytest.fixture(scope="module")
+def gateway(cluster, workers):
+    return start_gateway(cluster, workers[:3], "--transport", "mooncake")
+
+
+@pytest.fixture(scope="module")
+def colocated(cluster, workers):
+    return start_gateway(cluster, workers[3:])
+
+
+def complete(gw, prompt: str, max_tokens: int = 24) -> str:
+    with gw.http() as http:
+        r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens,
+                                                "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def test_segments_move_exactly_the_named_blocks():
+    """Two registered caches in this process: the planned batch write puts
+    each source block's K and V of every layer into its destination block,
+    merges consecutive runs, and touches no other block."""
+    import torch
+
+    from engine.kv_blocks import KVBlocks
+    from kv_transfer.mooncake_transport import MooncakeEndpoint
+
+    shape = (12, 4, 2, 8)
+    src = KVBlocks([(torch.randn(shape), torch.randn(shape)) for _ in range(3)])
+    dst = KVBlocks([(torch.zeros(shape), torch.zeros(shape)) for _ in range(3)])
+    a, b = MooncakeEndpoint(src, "127.0.0.1"), MooncakeEndpoint(dst, "127.0.0.1")
+    try:
+        from_ids, to_ids = [2, 3, 4, 9, 0], [5, 6, 7, 1, 11]
+        segs = a.segments(b.target(), from_ids, to_ids)
+        assert len(segs[0]) == 6 * 3  # 3 runs in each of 6 regions
+        a.write(b.rpc_address, *segs)
+        assert torch.equal(dst.read(to_ids), src.read(from_ids))
+        others = [i for i in range(12) if i not in to_ids]
+        assert not dst.read(others).any()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_under_tls_mooncake_is_refused_unless_allowed():
+    """Not encrypted, and its port writes into the cache: like torch, off
+    under TLS without --tls-allow-torch-transport; the next one stands in."""
+    import torch
+
+    from engine.kv_blocks import KVBlocks
+    from kv_transfer.mooncake_transport import TransportUnavailable
+    from worker.metrics import WorkerMetrics
+    from worker.transports import TransportConfig, Transports
+
+    io = KVBlocks([(torch.zeros(4, 4, 2, 8), torch.zeros(4, 4, 2, 8))])
+    metrics = WorkerMetrics("w", "prefill")
+    refused = Transports(TransportConfig(("mooncake", "grpc")), io, False, metrics)
+    assert refused.started == ["grpc"] and refused.mooncake is None
+    assert metrics.registry.get_sample_value(
+        "tandem:kv_transport_fallbacks_total",
+        {"wanted": "mooncake", "used": "grpc", "when": "start"}) == 1
+    with pytest.raises(TransportUnavailable, match="names none after it"):
+        Transports(TransportConfig(("mooncake",)), io, False, metrics)
+    allowed = Transports(TransportConfig(("mooncake", "grpc")), io, True, metrics)
+    try:
+        assert allowed.started == ["mooncake", "grpc"] and allowed.mooncake is not None
+    finally:
+        allowed.close()
+
+
+def test_workers_advertise_mooncake(workers):
+    for w in workers[:3]:
+        assert "mooncake" in info(w.address).transports
+    assert "mooncake" not in info(workers[3].address).transports
+
+
+def test_mooncake_gives_the_colocated_text_and_frees_every_block(workers, gateway, colocated):
+    prefill, *decodes = workers[:3]
+    for prompt in PROMPTS:
+        assert complete(gateway, prompt) == complete(colocated, prompt)
+    wait_blocks_free(workers)
+    # The KV really went over mooncake: counted on both sides, no fallback.
+    sent = scrape(prefill.metrics_port)
+    assert metric(sent, "tandem:kv_transfer_bytes_total", transport="mooncake",
+                  direction="send") > 0
+    assert metric(sent, "tandem:kv_transport_fallbacks_total") is None
+    received = sum(metric(scrape(d.metrics_port), "tandem:kv_transfer_bytes_total",
+                          transport="mooncake", direction="recv") or 0 for d in decodes)
+    assert received == metric(sent, "tandem:kv_transfer_bytes_total", transport="mooncake",
+                              direction="send")
+    assert metric(sent, "tandem:kv_transport_bandwidth_bytes_per_second",
+                  transport="mooncake") > 0
+
+
+async def test_a_completion_count_that_does_not_match_is_refused(workers):
+    """A writer that reports fewer bytes than the reservation holds: the decode
+    worker refuses to start the request, and the reservation stays abortable."""
+    from rpc.protos import worker_pb2
+
+    decode = workers[1]
+    prompt, p = list(range(5, 45)), params(max_tokens=4, temperature=0.0)
+    async with Gateway() as gw:
+        ticket = await gw.reserve(decode, "short-count", prompt, p)
+        call = gw.stub(decode).WriteKV()
+        await call.write(worker_pb2.WriteKVMessage(begin=worker_pb2.WriteKVBegin(
+            request_id="short-count", prefill_worker_id="test", layout=ticket.layout,
+            num_blocks=len(ticket.block_ids), attempt=0)))
+        assert (await call.read()).ready
+        await call.write(worker_pb2.WriteKVMessage(done=worker_pb2.WriteKVDone(
+            bytes_written=1, num_blocks=len(ticket.block_ids))))
+        await call.done_writing()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await call.read()
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "expected" in err.value.details()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await gw.decode(decode, "short-count", p, first=worker_pb2.PrefillResponse())
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        await gw.abort(decode, "short-count")
+    wait_blocks_free([decode])
+
+
+async def test_decode_killed_mid_transfer_frees_the_prefill_blocks(cluster, workers):
+    """The decode worker is stopped with its blocks reserved, so the prefill
+    worker's transfer waits on it; killed then, the transfer fails with a
+    status the gateway retries, and the prefill worker holds nothing."""
+    prefill = workers[0]
+    victim = start_worker(cluster, "decode", tiny_model(), NUM_BLOCKS, *MOONCAKE)
+    prompt, p = list(range(3, 200)), params(max_tokens=4, temperature=0.0)
+    async with Gateway() as gw:
+        ticket = await gw.reserve(victim, "killed-mid", prompt, p)
+        victim.proc.popen.send_signal(signal.SIGSTOP)
+        call = asyncio.ensure_future(gw.prefill(prefill, "killed-mid", prompt, p, ticket,
+                                                "mooncake"))
+
+        async def in_transfer() -> bool:  # computed, blocks held, nothing running
+            i = await gw.info(prefill)
+            return i.free_blocks < i.num_blocks and not i.num_running and not i.num_waiting
+
+        for _ in range(400):
+            if await in_transfer():
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the prefill worker never reached the transfer")
+        assert not call.done()
+        sigkill(victim)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await call
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
+    wait_blocks_free([prefill])
+
+
+def test_gateway_retries_when_a_decode_worker_dies(workers, gateway, colocated):
+    """A decode worker killed just before requests arrive: those sent its way
+    fail over to the other one before their first token; all succeed."""
+    sigkill(workers[2])
+    prompt = PROMPTS[0]
+    expected = complete(colocated, prompt, 16)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        texts = list(pool.map(lambda _: complete(gateway, prompt, 16), range(6)))
+    assert texts == [expected] * 6
+    wait_blocks_free(workers[:2])
+
+
+async def test_fallback_when_mooncake_cannot_start_is_logged_and_counted(cluster, workers):
+    """Protocol rdma on a host without an RDMA NIC: the worker starts on grpc,
+    says so, counts it, and a request for mooncake is served over grpc (counted)."""
+    prefill = start_worker(cluster, "prefill", tiny_model(), NUM_BLOCKS, *MOONCAKE,
+                           "--mooncake-protocol", "rdma", metrics=True)
+    assert "mooncake" not in info(prefill.address).transports
+    wait_until(lambda: "KV transport mooncake cannot start" in prefill.proc.output(), 5,
+               "the fallback's log line")
+    text = scrape(prefill.metrics_port)
+    assert metric(text, "tandem:kv_transport_fallbacks_total", wanted="mooncake",
+                  used="grpc", when="start") == 1
+    decode, prompt = workers[1], list(range(7, 60))
+    p = params(max_tokens=3, temperature=0.0)
+    async with Gateway() as gw:
+        out = await gw.disaggregated(prefill, decode, "fallback", prompt, p, "mooncake")
+    assert out.finish_reason == "length"
+    text = scrape(prefill.metrics_port)
+    assert metric(text, "tandem:kv_transport_fallbacks_total", wanted="mooncake",
+                  used="grpc", when="request") == 1
+    assert metric(text, "tandem:kv_transfer_bytes_total", transport="grpc",
+                  direction="send") > 0
+    wait_blocks_free([prefill, decode])

@@ -28,25 +28,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from fidelity import PROMPTS as ALL_PROMPTS  # noqa: E402
+from fidelity import leading_matches  # noqa: E402
+
 from tandem import LLM, SamplingParams  # noqa: E402
 
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
-    "List three colors:",
-    "Explain photosynthesis to a child in two sentences.",
-    "Translate to French: The weather is nice today.",
-    "Write a haiku about autumn leaves.",
-    "What is 17 times 23? Think step by step.",
-]
-
-
-def leading_matches(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
+PROMPTS = ALL_PROMPTS
 
 
 def run(kv: str, args) -> dict:

@@ -22,22 +22,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from fidelity import PROMPTS as ALL_PROMPTS  # noqa: E402
+from fidelity import leading_matches  # noqa: E402
+
 from engine.quantization.writer import quantize_model  # noqa: E402
 from tandem import LLM, SamplingParams  # noqa: E402
 
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
-    "List three colors:",
-]
-
-
-def leading_matches(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
+PROMPTS = ALL_PROMPTS[:4]  # the first four: each is run once per scheme
 
 
 def main() -> None:

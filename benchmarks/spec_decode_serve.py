@@ -215,9 +215,10 @@ def table(rows: list[dict]) -> str:
              "| acceptance | mean accepted len | load |",
              "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
+        num = ".2f" if r["arm"] == "on/off" else ".1f"  # ratios: two decimals
         lines.append(f"| {r['workload']} | {r['concurrency']} | {r['arm']} "
-                     f"| {fmt(r['out_tok_s'], '.1f')} | {fmt(r['tpot_p50_ms'], '.1f')} "
-                     f"| {fmt(r['cpu_ms_per_token'], '.1f')} | {fmt(r['acceptance'], '.2f')} "
+                     f"| {fmt(r['out_tok_s'], num)} | {fmt(r['tpot_p50_ms'], num)} "
+                     f"| {fmt(r['cpu_ms_per_token'], num)} | {fmt(r['acceptance'], '.2f')} "
                      f"| {fmt(r['mean_accepted_len'], '.2f')} | {fmt(r['load'], '.1f')} |")
     return "\n".join(lines)
 

@@ -38,6 +38,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default=default_of(EngineConfig, "dtype"), choices=DTYPE_CHOICES,
                    help="auto: bfloat16 where the hardware has it natively, else float32")
     p.add_argument("--api-key", default=None)
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve each worker's Prometheus /metrics from this port on: "
+                        "prefill workers first, then decode workers (BASE, BASE+1, ...)")
     p.add_argument("--worker-arg", action="append", default=[],
                    help="extra flag passed to every worker (repeatable)")
     p.set_defaults(run=run)
@@ -57,7 +60,9 @@ def start_cluster(args: argparse.Namespace, cluster: LocalCluster):
         else split_cores(args.prefill + args.decode)
 
     def placed(i: int) -> list[str]:
-        return [] if cores is None else ["--cpu-cores", cores[i]]
+        cpu = [] if cores is None else ["--cpu-cores", cores[i]]
+        return cpu + ([] if args.metrics_port is None
+                      else ["--metrics-port", str(args.metrics_port + i)])
 
     worker_transports = "mooncake,grpc" if args.transport == "mooncake" else args.transport
     prefills = [cluster.start("prefill", [*common, "--transport", worker_transports,
@@ -98,7 +103,14 @@ def run(args: argparse.Namespace) -> int:
         auth = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
         print(f"\nTandem is serving at {url} (gRPC {gateway.extra.get('grpc')})\n\n"
               f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
-              f"-d '{body}'\n\nCtrl-C stops it.", flush=True)
+              f"-d '{body}'\n", flush=True)
+        if args.metrics_port is not None:
+            roles = [("prefill", i) for i in range(args.prefill)] + \
+                [("decode", i) for i in range(args.decode)]
+            for port, (role, i) in enumerate(roles, start=args.metrics_port):
+                print(f"  {role} worker {i} metrics: http://{args.host}:{port}/metrics",
+                      flush=True)
+        print("Ctrl-C stops it.", flush=True)
         try:
             while not stop.wait(0.5):
                 dead = [p for p in cluster.procs if not p.alive]

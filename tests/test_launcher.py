@@ -1,18 +1,23 @@
 """`tandem up` leaves no orphans: a closed terminal (SIGHUP) stops the whole
-cluster, and a launcher killed outright takes its gateway and workers with it."""
+cluster, and a launcher killed outright takes its gateway and workers with it.
+With ``--metrics-port`` it prints each worker's /metrics address, which
+``tandem bench serve --metrics-url`` reads speculation's acceptance from."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 from gateway_fixtures import tiny_model
 
+from tandem.bench import spec_metrics
 from tandem.cluster import ROOT, free_port
 
 
@@ -37,20 +42,35 @@ def _alive(pid: int) -> bool:
     return "\nState:\tZ" not in status  # a zombie has exited; nobody reaped it yet
 
 
-def _start_up() -> subprocess.Popen:
+def _start_up(*extra: str, ready: str = "Tandem is serving",
+              lines: list[str] | None = None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "tandem.cli", "up", "--model", str(tiny_model()),
            "--prefill", "1", "--decode", "1", "--port", str(free_port()),
-           "--grpc-port", str(free_port()), "--kv-cache-gib", "0.01"]
+           "--grpc-port", str(free_port()), "--kv-cache-gib", "0.01", *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=str(ROOT), env={**os.environ, "PYTHONPATH": str(ROOT)})
     deadline = time.monotonic() + 240
     for line in proc.stdout:
-        if "Tandem is serving" in line:
+        if lines is not None:
+            lines.append(line)
+        if ready in line:
             return proc
         if time.monotonic() > deadline:
             break
     proc.kill()
     raise AssertionError("tandem up did not start")
+
+
+def _two_free_ports() -> int:
+    for _ in range(50):
+        base = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", base + 1))
+            except OSError:
+                continue
+        return base
+    raise AssertionError("no two free ports in a row")
 
 
 def _wait_gone(pids: list[int], timeout: float = 30.0) -> list[int]:
@@ -76,4 +96,37 @@ def test_the_cluster_dies_with_its_launcher(how):
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
         proc.kill()
+        proc.stdout.close()
+
+
+def test_metrics_port_gives_the_decode_workers_speculation_counters():
+    base = _two_free_ports()  # the prefill worker's /metrics at base, the decode worker's next
+    lines: list[str] = []
+    spec = '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1}'
+    proc = _start_up("--metrics-port", str(base), f"--worker-arg=--speculative-config={spec}",
+                     ready="Ctrl-C stops it", lines=lines)
+    try:
+        text = "".join(lines)
+        url = text.split("Tandem is serving at ")[1].split()[0]
+        decode_url = f"http://127.0.0.1:{base + 1}/metrics"
+        assert f"prefill worker 0 metrics: http://127.0.0.1:{base}/metrics" in text
+        assert f"decode worker 0 metrics: {decode_url}" in text
+        before = spec_metrics.scrape(decode_url)
+        assert before is not None, "the decode worker exports no speculation counters"
+        r = httpx.post(f"{url}/v1/completions", timeout=120, json={
+            "prompt": "a b c a b c a b c a b c", "max_tokens": 16, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        served = httpx.get(decode_url, timeout=10).text
+        finished = sum(float(line.rsplit(" ", 1)[1]) for line in served.splitlines()
+                       if line.startswith("vllm:request_success_total"))
+        assert finished == 1  # this address is the worker that decoded the request
+        assert spec_metrics.scrape(decode_url) is not None
+        # The prefill worker does not speculate: its counters stay at zero.
+        assert spec_metrics.scrape(f"http://127.0.0.1:{base}/metrics").drafts == 0
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
         proc.stdout.close()

@@ -19,6 +19,19 @@ from tandem.cluster import LocalCluster
 from worker.cpu_cores import split_cores
 
 
+def up_args(**overrides) -> argparse.Namespace:
+    """``tandem up``'s arguments as its flags' defaults give them, with
+    ``overrides``: for callers that start a cluster from code."""
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["up"])
+    for name, value in overrides.items():
+        if not hasattr(args, name):
+            raise ValueError(f"tandem up has no option {name!r}")
+        setattr(args, name, value)
+    return args
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help="start a local cluster: gateway + prefill + decode workers",
                        description=__doc__.split("\n\n")[1])

@@ -4,7 +4,6 @@ reproducible request streams, and small real runs of ``bench serve`` and
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import math
@@ -270,12 +269,11 @@ def tiny_model(tmp_path_factory):
 
 def test_bench_serve_against_a_gateway_and_worker(tiny_model, tmp_path, capsys):
     from tandem.cluster import LocalCluster, free_port
-    from tandem.up import start_cluster
+    from tandem.up import start_cluster, up_args
 
-    args = argparse.Namespace(
-        prefill=0, decode=1, model=str(tiny_model), host="127.0.0.1", port=free_port(),
-        grpc_port=free_port(), transport="grpc", state_url=None, kv_cache_gib=0.05,
-        dtype="float32", api_key=None, worker_arg=["--num-blocks", "64"])
+    args = up_args(prefill=0, decode=1, model=str(tiny_model), port=free_port(),
+                   grpc_port=free_port(), kv_cache_gib=0.05, dtype="float32",
+                   worker_arg=["--num-blocks", "64"])
     flags = ["--num-prompts", "4", "--random-input-len", "12", "--random-output-len", "5",
              "--random-range-ratio", "0.5", "--vocab-size", "49152", "--request-rate", "20",
              "--seed", "11", "--goodput", "ttft:60000", "tpot:60000", "--no-progress",

@@ -77,12 +77,11 @@ def start_arm(arm: str, model: str | None, kv_cache_gib: float,
             yield url
         return
     from tandem.cluster import LocalCluster
-    from tandem.up import start_cluster
+    from tandem.up import start_cluster, up_args
 
-    args = argparse.Namespace(
-        prefill=1 if arm == "tandem-disagg" else 0, decode=1, model=model, host=HOST,
-        port=free_port(), grpc_port=free_port(), transport="grpc", state_url=None,
-        kv_cache_gib=kv_cache_gib, dtype="float32", api_key=None, worker_arg=[])
+    args = up_args(prefill=1 if arm == "tandem-disagg" else 0, decode=1, model=model,
+                   host=HOST, port=free_port(), grpc_port=free_port(),
+                   kv_cache_gib=kv_cache_gib, dtype="float32")
     with LocalCluster(env=env) as cluster:
         gateway = start_cluster(args, cluster)
         yield f"http://{gateway.address}"

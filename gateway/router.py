@@ -163,8 +163,6 @@ class WorkerPool:
             w.healthy = False
             w.left.set()
             return
-        if w.left.is_set():
-            w.left = asyncio.Event()
         _observe_steps(w, info.num_steps, busy=w.num_running > 0)
         w.role, w.worker_id = info.role, info.worker_id
         w.free_blocks, w.num_blocks = info.free_blocks, info.num_blocks
@@ -182,6 +180,8 @@ class WorkerPool:
             logger.error("refusing worker %s (%s): %s", w.worker_id, w.address, w.refused)
         if w.refused:
             w.left.set()
+        elif w.left.is_set():  # back in rotation: streams from now on watch a new event
+            w.left = asyncio.Event()
 
     # ---- choosing ------------------------------------------------------------------------
 

@@ -27,6 +27,12 @@ from gateway.router import WorkerView
 STALL_STEPS = 20
 
 
+def stall_window(worker: WorkerView, floor_s: float) -> float:
+    """Seconds without a token (and without a step of the worker) after
+    which a stream on ``worker`` counts as stuck."""
+    return max(floor_s, STALL_STEPS * worker.step_s)
+
+
 class StallWatch:
     """Watches one decode call; cancels it when the stream is stuck (see the
     module's docstring), with ``reason`` saying why. The consumer calls
@@ -49,7 +55,7 @@ class StallWatch:
 
     @property
     def window_s(self) -> float:
-        return max(self.floor_s, STALL_STEPS * self.worker.step_s)
+        return stall_window(self.worker, self.floor_s)
 
     async def _watch(self) -> None:
         while True:

@@ -276,6 +276,11 @@ class RedisMonitor:
         return states
 
 
+needs_redis_server = pytest.mark.skipif(
+    shutil.which("redis-server") is None,
+    reason="needs Debian's redis-server (make test installs it)")
+
+
 class RedisProcess:
     """A throwaway redis-server on a fixed port, to stop and start again
     (the suite's shared Redis must stay up). A context manager: started on

@@ -29,7 +29,7 @@ from gateway_fixtures import (
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gateway.router import WorkerView
-from gateway.stall import STALL_STEPS, StallWatch
+from gateway.stall import StallWatch, stall_window
 
 LONG = {"prompt": "the quick brown fox", "max_tokens": 600, "temperature": 0,
         "ignore_eos": True}
@@ -135,8 +135,8 @@ def test_a_stream_on_a_worker_that_left_rotation_is_given_up():
 
 def test_the_window_follows_the_workers_own_step_time():
     worker = WorkerView("w:1", healthy=True, step_s=0.5)
-    watch_window = max(0.3, STALL_STEPS * worker.step_s)
-    assert watch_window == 10.0
+    assert stall_window(worker, 0.3) == 10.0  # 20 steps of 0.5 s, over the 0.3 s floor
+    assert stall_window(WorkerView("w:2", step_s=0.001), 0.3) == 0.3
     # A worker that stopped stepping 2 s ago with 0.5 s steps is slow, not stuck.
     worker.stepped_at = time.monotonic() - 2.0
     assert asyncio.run(_watch_for(worker, 0.3, 1.0)) is None

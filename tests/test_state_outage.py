@@ -5,7 +5,6 @@ Runs its own redis-server (the suite's shared one must stay up)."""
 from __future__ import annotations
 
 import asyncio
-import shutil
 import signal
 import time
 
@@ -15,6 +14,7 @@ from gateway_fixtures import (
     SERVED,
     RedisProcess,
     cluster_fixture,
+    needs_redis_server,
     start_gateway,
     start_workers,
 )
@@ -22,8 +22,7 @@ from gateway_fixtures import (
 from gateway.fallback_store import FallbackStore
 from gateway.state import KEY, MemoryStore, RedisStore, State
 
-pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None,
-                                reason="needs Debian's redis-server (make test installs it)")
+pytestmark = needs_redis_server
 
 cluster = cluster_fixture()
 

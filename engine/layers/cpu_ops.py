@@ -26,53 +26,61 @@ from engine.attention import cbuild
 from engine.attention.c_prelude import VECTOR_MATH
 
 _SOURCE = VECTOR_MATH + r"""
-/* res_out = bf16(x + res) (or x); out = bf16(w * bf16(r * rsqrt(mean(r^2) + eps))). */
+/* res_out = bf16(x + res) (or x); out = bf16(w * bf16(r * rsqrt(mean(r^2) + eps))).
+   16 columns at a time; the squares are summed in 16 lanes, then across them. */
 void rms_norm_bf16(uint16_t *out, uint16_t *res_out, const uint16_t *x, const uint16_t *res,
                    const uint16_t *weight, int64_t rows, int64_t cols, int64_t x_stride,
                    int64_t res_stride, float eps)
 {
+    const int64_t vcols = cols - cols % 16;
     #pragma omp parallel for schedule(static) if (rows * cols > 65536)
     for (int64_t i = 0; i < rows; i++) {
         const uint16_t *xi = x + i * x_stride;
         uint16_t *ri = res_out + i * cols, *oi = out + i * cols;
-        float sum = 0.f;
         if (res) {
             const uint16_t *si = res + i * res_stride;
-            for (int64_t j = 0; j < cols; j++) ri[j] = bf16_out(bf16_in(xi[j]) + bf16_in(si[j]));
+            for (int64_t j = 0; j < vcols; j += 16)
+                bf16_store16(ri + j, bf16_load16(xi + j) + bf16_load16(si + j));
+            for (int64_t j = vcols; j < cols; j++) ri[j] = bf16_out(bf16_in(xi[j]) + bf16_in(si[j]));
         } else {
             memcpy(ri, xi, cols * sizeof(uint16_t));
         }
-        #pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < cols; j++) {
-            float v = bf16_in(ri[j]);
-            sum += v * v;
+        vf acc = splat(0.f);
+        for (int64_t j = 0; j < vcols; j += 16) {
+            vf v = bf16_load16(ri + j);
+            acc += v * v;
         }
+        float sum = 0.f;
+        for (int l = 0; l < 16; l++) sum += acc[l];
+        for (int64_t j = vcols; j < cols; j++) sum += bf16_in(ri[j]) * bf16_in(ri[j]);
         float r = 1.f / sqrtf(sum / (float)cols + eps);
-        for (int64_t j = 0; j < cols; j++)
+        for (int64_t j = 0; j < vcols; j += 16)
+            bf16_store16(oi + j, bf16_load16(weight + j) * bf16_round16(bf16_load16(ri + j) * splat(r)));
+        for (int64_t j = vcols; j < cols; j++)
             oi[j] = bf16_out(bf16_in(weight[j]) * bf16_in(bf16_out(bf16_in(ri[j]) * r)));
     }
 }
 
 /* out = bf16(bf16(silu(gate)) * up) for x = [gate | up] rows, as F.silu(gate) * up. */
+static inline float silu_scalar(float g) {
+    return g / (1.f + expf(-(g < -87.f ? -87.f : g > 88.f ? 88.f : g)));
+}
+
 void silu_mul_bf16(uint16_t *out, const uint16_t *x, int64_t rows, int64_t inner,
                    int64_t x_stride)
 {
+    const int64_t vinner = inner - inner % 16;
     #pragma omp parallel for schedule(static) if (rows * inner > 65536)
     for (int64_t i = 0; i < rows; i++) {
         const uint16_t *gate = x + i * x_stride, *up = gate + inner;
         uint16_t *o = out + i * inner;
-        for (int64_t j0 = 0; j0 < inner; j0 += 16) {
-            int n = inner - j0 < 16 ? (int)(inner - j0) : 16;
-            float g[16] = {0};
-            for (int j = 0; j < n; j++) g[j] = bf16_in(gate[j0 + j]);
-            vf gv;
-            memcpy(&gv, g, sizeof gv);
-            vf e = vexp(-gv);
-            for (int j = 0; j < n; j++) {
-                float silu = bf16_in(bf16_out(g[j] / (1.f + e[j])));
-                o[j0 + j] = bf16_out(silu * bf16_in(up[j0 + j]));
-            }
+        for (int64_t j = 0; j < vinner; j += 16) {
+            vf g = bf16_load16(gate + j);
+            vf silu = bf16_round16(g / (splat(1.f) + vexp(-g)));
+            bf16_store16(o + j, silu * bf16_load16(up + j));
         }
+        for (int64_t j = vinner; j < inner; j++)
+            o[j] = bf16_out(bf16_in(bf16_out(silu_scalar(bf16_in(gate[j])))) * bf16_in(up[j]));
     }
 }
 

@@ -30,6 +30,7 @@ from engine.attention.c_prelude import VECTOR_MATH
 from kernels import reference
 
 _SOURCE = VECTOR_MATH + r"""
+#include <omp.h>
 #include <stdlib.h>
 
 enum { F32 = 0, BF16 = 1 };
@@ -322,12 +323,18 @@ int paged_attention(
             tiles[2 * k + 1] = t;
             k++;
         }
-    int64_t items = num_tiles * num_kv_heads;
-    /* kv heads innermost: neighbouring items read the same cache blocks. */
+    /* A work item is a tile and one kv head, or, when there are tiles enough
+       to share out, a tile and all its kv heads: then each core reads whole
+       cache rows (every head's keys of a token are adjacent) and no two cores
+       pull the same rows into their caches. */
+    int heads_per_item = num_tiles >= 8 * omp_get_max_threads() ? num_kv_heads : 1;
+    int64_t items = num_tiles * (num_kv_heads / heads_per_item);
     #pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t it = 0; it < items; it++) {
-        int s = tiles[2 * (it / num_kv_heads)], t0 = tiles[2 * (it / num_kv_heads) + 1];
-        int g = (int)(it % num_kv_heads);
+    for (int64_t it = 0; it < items; it++)
+    for (int g = (int)(it % (num_kv_heads / heads_per_item)) * heads_per_item,
+             g_end = g + heads_per_item; g < g_end; g++) {
+        int64_t tile_index = it / (num_kv_heads / heads_per_item);
+        int s = tiles[2 * tile_index], t0 = tiles[2 * tile_index + 1];
         int end = query_start_loc[s + 1], q_len = end - query_start_loc[s];
         int nt = end - t0 < tile ? end - t0 : tile;
         int ctx0 = seq_lens[s] - q_len + (t0 - query_start_loc[s]) + 1;

@@ -12,6 +12,7 @@ import concurrent.futures
 import json
 import random
 import re
+import signal
 import socket
 import struct
 import time
@@ -131,6 +132,10 @@ async def test_two_nodes_serve_the_tokens_of_one_and_end_together(model, expecte
                                            _prompts()[1], p)
             assert moved.token_ids == expected[1]
             await gw.wait_idle([leader])
+            # A node told to stop keeps its ranks for the leader's steps (its drain).
+            follower.popen.send_signal(signal.SIGTERM)
+            again = await gw.colocated(leader, "after-sigterm", _prompts()[0], p)
+            assert again.token_ids == expected[0] and follower.alive
 
         leader_proc.popen.kill()  # the leader's host goes away
         assert follower.popen.wait(60) == 1
@@ -191,6 +196,26 @@ def test_bad_flags_are_refused_before_anything_loads(flags, message, capsys):
         main(["--role", "both", *flags])
     assert exit_.value.code == 2
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_the_commands_in_docs_deploy_md_form_one_group():
+    """docs/deploy.md's two hosts: the flags parse, and the nodes agree."""
+    import shlex
+    from pathlib import Path
+
+    from engine.cli_args import config_from_args
+    from worker.main import parser
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "deploy.md").read_text()
+    block = re.search(r"# host A .*?```", doc, re.S).group(0).replace("\\\n", " ")
+    commands = [shlex.split(line)[3:] for line in block.splitlines()
+                if line.startswith("python -m decode_service")]
+    configs = [config_from_args(parser("", ["decode", "both"]).parse_args(c)) for c in commands]
+    assert [c.node_rank for c in configs] == [0, 1]
+    for c in configs:
+        assert (c.nnodes, c.tensor_parallel_size, c.ranks_per_node) == (2, 8, 4)
+        assert (c.master_addr, c.master_port, c.model) == (
+            configs[0].master_addr, configs[0].master_port, configs[0].model)
 
 
 def test_an_engine_is_never_a_follower_node(model):

@@ -4,10 +4,15 @@ worker whose tensor-parallel group spans hosts (``--nnodes``).
 It runs only its ranks' model shards (engine/parallel/node.py): the leader
 (node rank 0) serves the worker's gRPC API, schedules and registers. Once
 its ranks are in the group it serves the standard gRPC health service on
-``--port`` (SERVING), so that the same probes watch every node of a group;
-until then the port is closed. It ends when the leader does: exit code 0
-when the leader stopped the group, 1 when the leader went away, refused the
-node or never came.
+``--port`` (SERVING) and, with ``--metrics-port``, a /metrics of its own
+(``tandem:tp_node_joined``), so that the same probes and scrapes watch
+every node of a group; until then both ports are closed.
+
+It ends when the leader does: exit code 0 when the leader stopped the group,
+1 when the leader went away, refused the node or never came. A SIGTERM
+after joining does not end it: the leader, told to stop at the same time
+(a rollout, a deleted group), drains first and needs every rank for the
+steps of that drain; it then stops the group, and this node exits.
 """
 
 from __future__ import annotations
@@ -15,7 +20,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import signal
 import socket
+
+from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
 from engine.config import EngineConfig
 from engine.parallel.node import run_node
@@ -37,13 +45,17 @@ async def serve_node(args: argparse.Namespace, config: EngineConfig) -> int:
     waiting = asyncio.ensure_future(joined.wait())
     await asyncio.wait([running, waiting], return_when=asyncio.FIRST_COMPLETED)
     waiting.cancel()
-    server = None
+    server = metrics = None
     try:
         if joined.is_set():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, _stay, config)
             tls = args.tls
             server = GrpcServer(args.host, args.port, credentials=(
                 tls.server_credentials(tls.ca_file) if tls.enabled else None))
             await server.start()
+            if args.metrics_port is not None:
+                metrics = _serve_metrics(args, config)
             node_id = args.worker_id or f"{args.role}-{socket.gethostname()}-node{config.node_rank}"
             # Launchers and tests wait for this line, as for a worker's.
             print(f"TANDEM_READY node {node_id} {args.advertise_host or args.host}:{server.port}",
@@ -55,4 +67,21 @@ async def serve_node(args: argparse.Namespace, config: EngineConfig) -> int:
     finally:
         if server is not None:
             await server.stop(grace=1.0)
+        if metrics is not None:
+            metrics.shutdown()
     return 0
+
+
+def _stay(config: EngineConfig) -> None:
+    logger.info("node %d: signal received; running until the leader at %s:%d stops the group "
+                "(it drains first)", config.node_rank, config.master_addr, config.master_port)
+
+
+def _serve_metrics(args: argparse.Namespace, config: EngineConfig):
+    registry = CollectorRegistry()
+    joined = Gauge("tandem:tp_node_joined",
+                   "1 while this node's tensor-parallel ranks are in their leader's group",
+                   ["node_rank"], registry=registry)
+    joined.labels(node_rank=str(config.node_rank)).set(1)
+    server, _ = start_http_server(args.metrics_port, addr=args.host, registry=registry)
+    return server

@@ -143,6 +143,36 @@ async def test_two_nodes_serve_the_tokens_of_one_and_end_together(model, expecte
     store.close()
 
 
+def test_two_ranks_on_each_of_two_nodes(tmp_path):
+    """Four ranks, two per node: the leader (the offline engine here) spawns
+    rank 1 beside it; the other node runs ranks 2 and 3 (one of them in a
+    process of its own). Stopping the engine stops that node, cleanly."""
+    model = str(build_tiny_model("llama-gqa", tmp_path, num_key_value_heads=4)[0])
+    greedy = SamplingParams(**GREEDY)
+    one = LLM(model, dtype="float32", num_blocks=NUM_BLOCKS)
+    try:
+        expected = [o.outputs[0].token_ids for o in one.generate(_prompts(), greedy,
+                                                                  use_tqdm=False)]
+    finally:
+        one.engine.shutdown()
+    port = free_port(MASTER)
+    with LocalCluster() as cluster, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        node = pool.submit(cluster.start, "both", worker_args(
+            model, NUM_BLOCKS, "-tp", "4", "--nnodes", "2", "--node-rank", "1",
+            "--master-addr", MASTER, "--master-port", str(port)))
+        llm = LLM(model, dtype="float32", num_blocks=NUM_BLOCKS, tensor_parallel_size=4,
+                  nnodes=2, master_addr=MASTER, master_port=port)
+        try:
+            assert [p.name for p in llm.engine.runner.followers.procs] == ["tandem-tp1"]
+            got = llm.generate(_prompts(), greedy, use_tqdm=False)
+            assert [o.outputs[0].token_ids for o in got] == expected
+        finally:
+            llm.engine.shutdown()
+        follower = node.result(timeout=60)
+        assert follower.popen.wait(30) == 0  # the leader stopped the group
+        assert "stopped the group" in follower.output()
+
+
 def test_a_follower_lost_while_idle_stops_the_leader(model):
     """No step needs the follower: the leader sees its connection end, stops
     serving and exits non-zero, for its supervisor to restart the group."""

@@ -363,7 +363,6 @@ class EngineConfig:
                 f"got {self.attention_backend!r}"
             )
 
-
     def _check_nodes(self) -> None:
         if self.nnodes < 1:
             raise ValueError(f"nnodes must be at least 1, got {self.nnodes}")

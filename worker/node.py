@@ -28,12 +28,15 @@ from prometheus_client import CollectorRegistry, Gauge, start_http_server
 from engine.config import EngineConfig
 from engine.parallel.node import run_node
 from rpc.server import GrpcServer
+from worker.cpu_cores import format_cores, pin_to_cores
 
 logger = logging.getLogger("worker")
 
 
 async def serve_node(args: argparse.Namespace, config: EngineConfig) -> int:
     """The process's exit code."""
+    if args.cpu_cores is not None:
+        logger.info("computing on cores %s", format_cores(pin_to_cores(args.cpu_cores)))
     loop = asyncio.get_running_loop()
     joined = asyncio.Event()
     ranks = config.node_ranks

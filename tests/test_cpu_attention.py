@@ -50,6 +50,21 @@ def test_decode_matches_reference(dtype, heads, kv_heads, head_dim):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (32, 8, 64), (16, 2, 128),
+                                                     (6, 6, 32)])
+def test_large_decode_batches_match_reference(dtype, heads, kv_heads, head_dim):
+    # Enough decodes to share out by sequence: the bf16 kernel then takes
+    # several kv heads per pass over a sequence's keys.
+    lens = [1 + (i * 37) % 150 for i in range(48)]
+    k_cache, v_cache, table, seq_lens = make_paged(lens, 16, kv_heads, head_dim, dtype)
+    query = randn(len(lens), heads, head_dim, dtype=dtype, seed=2)
+    ref = reference.paged_decode_attention(query, k_cache, v_cache, table, seq_lens, 0.125)
+    out = cpu_attention.paged_attention(query, k_cache, v_cache, table,
+                                        starts_of([1] * len(lens)), seq_lens, 0.125)
+    assert_close(out, ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 def test_prefill_and_extend_match_reference(dtype):
     # (cached, new): whole prompts, a chunk over cached blocks, one over a boundary.
     spec = [(0, 5), (0, 16), (16, 9), (13, 40)]

@@ -190,27 +190,32 @@ static inline vf reduce16(vf *v) {
 #undef PICK
 }
 
-/* attend_tile for bfloat16 with AVX512-BF16: each score is a dot product of
-   bfloat16 pairs accumulated in float32 (vdpbf16ps, products exact), 16 keys
-   at a time, their partial sums reduced together; softmax and the weighted
-   sum of values as in attend_tile, in float32. `np` = 32-element vectors per
-   head row. */
+/* attend_tile for bfloat16 with AVX512-BF16, over `hk` adjacent kv heads
+   from `g` at once, so that one pass over the keys reads whole cache rows
+   (a token's heads are adjacent). Row r is token r / (hk * group) of the
+   tile and query head g * group + r % (hk * group). Each score is a dot
+   product of bfloat16 pairs accumulated in float32 (vdpbf16ps, products
+   exact), 16 keys at a time, their partial sums reduced together; softmax
+   and the weighted sum of values as in attend_tile, in float32. `np` =
+   32-element vectors per head row. */
 static inline __attribute__((always_inline)) void attend_tile_bf16(
     void *out, int64_t os0, int64_t os1, const void *query, int64_t qs0, int64_t qs1,
     const char *k_cache, const char *v_cache, int64_t cs0, int64_t cs1, int64_t cs2,
-    const int32_t *table, int64_t t0, int nt, int ctx0, int g, int group, const int np,
+    const int32_t *table, int64_t t0, int nt, int ctx0, int g, int hk, int group, const int np,
     int block_size, float scale)
 {
-    const int rows = nt * group, nv = 2 * np;
+    const int per_token = hk * group, rows = nt * per_token, nv = 2 * np;
     __m512bh q[MAX_ROWS][MAX_VECS / 2];
     vf acc[MAX_ROWS][MAX_VECS];
     float pr[MAX_ROWS][16] __attribute__((aligned(64))), m[MAX_ROWS], l[MAX_ROWS];
+    int64_t head_off[MAX_ROWS];  /* bytes from a token's first head to row r's kv head */
     const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     for (int r = 0; r < rows; r++) {
-        int64_t t = t0 + r / group, h = (int64_t)g * group + r % group;
+        int64_t t = t0 + r / per_token, h = (int64_t)g * group + r % per_token;
         const char *qr = (const char *)query + (t * qs0 + h * qs1) * 2;
         for (int j = 0; j < np; j++) memcpy(&q[r][j], qr + j * 64, 64);
         for (int j = 0; j < nv; j++) acc[r][j] = splat(0.f);
+        head_off[r] = (r % per_token / group) * cs2 * 2;
         m[r] = -INFINITY;
         l[r] = 0.f;
     }
@@ -225,7 +230,7 @@ static inline __attribute__((always_inline)) void attend_tile_bf16(
             vrow[i] = v_cache + off * 2;
         }
         for (int r = 0; r < rows; r++) {
-            int valid = ctx0 + r / group - c0;  /* keys of this chunk row r sees */
+            int valid = ctx0 + r / per_token - c0;  /* keys of this chunk row r sees */
             valid = valid < 0 ? 0 : valid < n ? valid : n;
             if (valid == 0) {
                 memset(pr[r], 0, sizeof pr[r]);
@@ -236,7 +241,7 @@ static inline __attribute__((always_inline)) void attend_tile_bf16(
                 vf a = splat(0.f);
                 for (int j = 0; j < np; j++) {
                     __m512bh k;
-                    memcpy(&k, krow[i] + j * 64, 64);
+                    memcpy(&k, krow[i] + head_off[r] + j * 64, 64);
                     a = _mm512_dpbf16_ps(a, q[r][j], k);
                 }
                 part[i] = a;
@@ -256,18 +261,22 @@ static inline __attribute__((always_inline)) void attend_tile_bf16(
             memcpy(pr[r], &p, sizeof p);
         }
         for (int i = 0; i < n; i++) {
-            vf v[MAX_VECS];
-            for (int j = 0; j < nv; j++) v[j] = load(vrow[i] + j * 32, BF16);
             int pos = c0 + i;
-            int first = pos < ctx0 ? 0 : (pos - ctx0 + 1) * group;
-            for (int r = first; r < rows; r++) {
-                vf pv = splat(pr[r][i]);
-                for (int j = 0; j < nv; j++) acc[r][j] += pv * v[j];
+            /* Tokens before `first_token` of the tile do not see key `pos`. */
+            int first_token = pos < ctx0 ? 0 : pos - ctx0 + 1;
+            for (int kh = 0; kh < hk; kh++) {
+                vf v[MAX_VECS];
+                for (int j = 0; j < nv; j++) v[j] = load(vrow[i] + kh * cs2 * 2 + j * 32, BF16);
+                for (int ti = first_token; ti < nt; ti++)
+                    for (int r = ti * per_token + kh * group; r < ti * per_token + (kh + 1) * group; r++) {
+                        vf pv = splat(pr[r][i]);
+                        for (int j = 0; j < nv; j++) acc[r][j] += pv * v[j];
+                    }
             }
         }
     }
     for (int r = 0; r < rows; r++) {
-        int64_t t = t0 + r / group, h = (int64_t)g * group + r % group;
+        int64_t t = t0 + r / per_token, h = (int64_t)g * group + r % per_token;
         uint16_t *o = (uint16_t *)((char *)out + (t * os0 + h * os1) * 2);
         vf inv = splat(l[r] > 0.f ? 1.f / l[r] : 0.f);
         for (int j = 0; j < nv; j++) bf16_store16(o + j * W, acc[r][j] * inv);
@@ -323,17 +332,23 @@ int paged_attention(
             tiles[2 * k + 1] = t;
             k++;
         }
-    /* A work item is a tile and one kv head, or, when there are tiles enough
-       to share out, a tile and all its kv heads: then each core reads whole
-       cache rows (every head's keys of a token are adjacent) and no two cores
-       pull the same rows into their caches. */
-    int heads_per_item = num_tiles >= 8 * omp_get_max_threads() ? num_kv_heads : 1;
-    int64_t items = num_tiles * (num_kv_heads / heads_per_item);
+    /* A work item is a tile and one kv head, or, for a batch of decodes
+       (one new token per sequence) large enough to share out, a sequence
+       and as many of its kv heads as MAX_ROWS query rows hold: the bf16
+       kernel then reads whole cache rows in one pass (a token's heads are
+       adjacent) and no two cores pull the same rows into their caches. */
+    int all_decode = 1;
+    for (int s = 0; all_decode && s < num_seqs; s++)
+        all_decode = query_start_loc[s + 1] - query_start_loc[s] <= 1;
+    int hk = 1;
+    if (HAVE_DPBF16 && dtype == BF16 && nv % 2 == 0 && all_decode
+        && num_tiles >= 8 * omp_get_max_threads())
+        for (hk = num_kv_heads; hk > 1 && (hk * group > MAX_ROWS || num_kv_heads % hk); hk--) {}
+    int64_t passes = num_kv_heads / hk, items = num_tiles * passes;
     #pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t it = 0; it < items; it++)
-    for (int g = (int)(it % (num_kv_heads / heads_per_item)) * heads_per_item,
-             g_end = g + heads_per_item; g < g_end; g++) {
-        int64_t tile_index = it / (num_kv_heads / heads_per_item);
+    for (int64_t it = 0; it < items; it++) {
+        int g = (int)(it % passes) * hk;
+        int64_t tile_index = it / passes;
         int s = tiles[2 * tile_index], t0 = tiles[2 * tile_index + 1];
         int end = query_start_loc[s + 1], q_len = end - query_start_loc[s];
         int nt = end - t0 < tile ? end - t0 : tile;
@@ -343,7 +358,8 @@ int paged_attention(
         (const char *)v_cache, cs0, cs1, cs2, table, t0, nt, ctx0, g, group, NV, block_size, \
         scale, DT)
 #define CALL_BF16(NP) attend_tile_bf16(out, os0, os1, query, qs0, qs1, (const char *)k_cache, \
-        (const char *)v_cache, cs0, cs1, cs2, table, t0, nt, ctx0, g, group, NP, block_size, scale)
+        (const char *)v_cache, cs0, cs1, cs2, table, t0, nt, ctx0, g, hk, group, NP, block_size, \
+        scale)
         if (dtype == BF16) {
 #if HAVE_DPBF16
             if (nv == 4) CALL_BF16(2); else if (nv == 8) CALL_BF16(4);

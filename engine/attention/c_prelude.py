@@ -63,20 +63,25 @@ static inline vf bf16_load16(const uint16_t *p) {
     return f;
 }
 
-static inline void bf16_store16(uint16_t *p, vf x) {
+/* The float32 bits of x rounded to bfloat16 (low 16 bits zero). */
+static inline vu bf16_bits16(vf x) {
     vu u;
     memcpy(&u, &x, sizeof u);
     vu nan = (vu)((u & 0x7fffffffu) > 0x7f800000u);
-    vu rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    u = (rounded & ~nan) | (((u >> 16) | 0x40u) & nan);
-    vh h = __builtin_convertvector(u, vh);
+    vu rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    return (rounded & ~nan) | ((u | 0x400000u) & 0xffff0000u & nan);
+}
+
+static inline void bf16_store16(uint16_t *p, vf x) {
+    vh h = __builtin_convertvector(bf16_bits16(x) >> 16, vh);
     memcpy(p, &h, sizeof h);
 }
 
 /* x rounded to bfloat16 and back: what a bf16 intermediate keeps of it. */
 static inline vf bf16_round16(vf x) {
-    uint16_t tmp[16];
-    bf16_store16(tmp, x);
-    return bf16_load16(tmp);
+    vu u = bf16_bits16(x);
+    vf f;
+    memcpy(&f, &u, sizeof f);
+    return f;
 }
 """

@@ -289,7 +289,7 @@ class ModelRunner:
         """Logprobs of prompt tokens first+1 .. last, predicted by positions first.. ."""
         state = p.request
         entries: list[dict[int, float] | None] = []
-        logprobs = torch.log_softmax(logits, dim=-1)
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
         targets = torch.tensor(state.token_ids[p.first + 1 : p.last + 1], device=self.device)
         chosen = logprobs.gather(1, targets[:, None]).squeeze(1).tolist()
         n = state.params.prompt_logprobs or 0

@@ -126,6 +126,55 @@ void rotary_bf16(uint16_t *q, int64_t qs0, int64_t qs1, int q_heads,
         for (int h = 0; h < k_heads; h++) rotate_bf16(k + t * ks0 + h * ks1, c, s, half);
     }
 }
+
+/* out[i] = the first index of row i's largest value, as torch.argmax on the
+   rows widened to float32 (a NaN counts as the largest: its first index). */
+void argmax_bf16(int64_t *out, const uint16_t *x, int64_t rows, int64_t cols, int64_t stride)
+{
+    const int64_t vcols = cols - cols % 16;
+    #pragma omp parallel for schedule(static) if (rows * cols > 65536)
+    for (int64_t i = 0; i < rows; i++) {
+        const uint16_t *xi = x + i * stride;
+        int64_t arg = 0;
+        float best = bf16_in(xi[0]);
+        int nan = best != best;
+        if (vcols >= 16) {
+            const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+            vf vbest = bf16_load16(xi);
+            vi vidx = lane, vnan = vbest != vbest;
+            for (int64_t j = 16; j < vcols; j += 16) {
+                vf v = bf16_load16(xi + j);
+                vi gt = v > vbest;  /* strict: a lane keeps its first maximum */
+                vbest = (vf)(((vi)v & gt) | ((vi)vbest & ~gt));
+                vidx = ((lane + (int32_t)j) & gt) | (vidx & ~gt);
+                vnan |= v != v;
+            }
+            best = vbest[0];
+            arg = vidx[0];
+            for (int l = 1; l < 16; l++)
+                if (vbest[l] > best || (vbest[l] == best && vidx[l] < arg)) {
+                    best = vbest[l];
+                    arg = vidx[l];
+                }
+            for (int l = 0; l < 16; l++) nan |= vnan[l] != 0;
+        }
+        for (int64_t j = vcols > 0 ? vcols : 1; j < cols; j++) {
+            float v = bf16_in(xi[j]);
+            nan |= v != v;
+            if (v > best) {
+                best = v;
+                arg = j;
+            }
+        }
+        if (nan)
+            for (int64_t j = 0; j < cols; j++)
+                if (bf16_in(xi[j]) != bf16_in(xi[j])) {
+                    arg = j;
+                    break;
+                }
+        out[i] = arg;
+    }
+}
 """
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
@@ -141,6 +190,8 @@ def _lib():
                                   ctypes.c_float]
     lib.silu_mul_bf16.restype = None
     lib.silu_mul_bf16.argtypes = [_PTR, _PTR, _I64, _I64, _I64]
+    lib.argmax_bf16.restype = None
+    lib.argmax_bf16.argtypes = [_PTR, _PTR, _I64, _I64, _I64]
     lib.rotary_bf16.restype = None
     lib.rotary_bf16.argtypes = [_PTR, _I64, _I64, ctypes.c_int, _PTR, _I64, _I64, ctypes.c_int,
                                 _PTR, _PTR, _PTR, _I64, ctypes.c_int]
@@ -198,3 +249,12 @@ def rotary_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torc
         k.data_ptr(), k.stride(0), k.stride(1), k.shape[1],
         pos.data_ptr(), cos.data_ptr(), sin.data_ptr(), num_tokens, head_dim,
     )
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.float().argmax(-1)`` for 2-D bfloat16 ``logits`` (check
+    ``supports``), without the float32 copy: one pass over the rows."""
+    rows, cols = logits.shape
+    out = torch.empty(rows, dtype=torch.int64)
+    _lib().argmax_bf16(out.data_ptr(), logits.data_ptr(), rows, cols, logits.stride(0))
+    return out

@@ -128,9 +128,9 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Float32 logits of ``hidden``'s rows on rank 0; every rank calls it
-        with the same rows (with tensor parallelism each scores its slice of
-        the vocabulary), the others get None."""
+        """Logits of ``hidden``'s rows on rank 0 (their dtype: ``vocab_logits``);
+        every rank calls it with the same rows (with tensor parallelism each
+        scores its slice of the vocabulary), the others get None."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return vocab_logits(hidden, weight, self.tp, self.head_packed)
 

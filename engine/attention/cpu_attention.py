@@ -87,15 +87,15 @@ static inline float hmax(vf v) {
 static inline __attribute__((always_inline)) void attend_tile(
     void *out, int64_t os0, int64_t os1, const void *query, int64_t qs0, int64_t qs1,
     const char *k_cache, const char *v_cache, int64_t cs0, int64_t cs1, int64_t cs2,
-    const int32_t *table, int64_t t0, int nt, int ctx0, int g, int group, const int nv,
+    const int32_t *table, int64_t t0, int nt, int ctx0, int g, int hk, int group, const int nv,
     int block_size, float scale, const int dtype)
 {
     const int esz = dtype == F32 ? 4 : 2;
-    const int rows = nt * group;
+    const int per_token = hk * group, rows = nt * per_token;
     vf q[MAX_ROWS][MAX_VECS], acc[MAX_ROWS][MAX_VECS];
     float sc[MAX_ROWS][CHUNK] __attribute__((aligned(64))), m[MAX_ROWS], l[MAX_ROWS];
     for (int r = 0; r < rows; r++) {
-        int64_t t = t0 + r / group, h = (int64_t)g * group + r % group;
+        int64_t t = t0 + r / per_token, h = (int64_t)g * group + r % per_token;
         const char *qr = (const char *)query + (t * qs0 + h * qs1) * esz;
         for (int j = 0; j < nv; j++) {
             q[r][j] = load(qr + j * W * esz, dtype);
@@ -110,16 +110,19 @@ static inline __attribute__((always_inline)) void attend_tile(
         for (int i = 0; i < n; i++) {
             int pos = c0 + i;
             int64_t off = (int64_t)table[pos / block_size] * cs0 + (pos % block_size) * cs1 + g * cs2;
-            vf k[MAX_VECS];
-            for (int j = 0; j < nv; j++) k[j] = load(k_cache + (off + j * W) * esz, dtype);
-            for (int r = 0; r < rows; r++) {
-                vf s = q[r][0] * k[0];
-                for (int j = 1; j < nv; j++) s += q[r][j] * k[j];
-                sc[r][i] = hsum(s) * scale;
+            for (int kh = 0; kh < hk; kh++) {
+                vf k[MAX_VECS];
+                for (int j = 0; j < nv; j++) k[j] = load(k_cache + (off + kh * cs2 + j * W) * esz, dtype);
+                for (int ti = 0; ti < nt; ti++)
+                    for (int r = ti * per_token + kh * group; r < ti * per_token + (kh + 1) * group; r++) {
+                        vf s = q[r][0] * k[0];
+                        for (int j = 1; j < nv; j++) s += q[r][j] * k[j];
+                        sc[r][i] = hsum(s) * scale;
+                    }
             }
         }
         for (int r = 0; r < rows; r++) {
-            int valid = ctx0 + r / group - c0;  /* keys of this chunk row r sees */
+            int valid = ctx0 + r / per_token - c0;  /* keys of this chunk row r sees */
             valid = valid < 0 ? 0 : valid < n ? valid : n;
             for (int i = valid; i < CHUNK; i++) sc[r][i] = -INFINITY;
             vf v0, v1;
@@ -143,18 +146,21 @@ static inline __attribute__((always_inline)) void attend_tile(
         for (int i = 0; i < n; i++) {
             int pos = c0 + i;
             int64_t off = (int64_t)table[pos / block_size] * cs0 + (pos % block_size) * cs1 + g * cs2;
-            vf v[MAX_VECS];
-            for (int j = 0; j < nv; j++) v[j] = load(v_cache + (off + j * W) * esz, dtype);
-            /* Rows of tokens that do not see key `pos` have p = 0: skip them. */
-            int first = pos < ctx0 ? 0 : (pos - ctx0 + 1) * group;
-            for (int r = first; r < rows; r++) {
-                vf p = splat(sc[r][i]);
-                for (int j = 0; j < nv; j++) acc[r][j] += p * v[j];
+            /* Tokens before `first_token` do not see key `pos` (p = 0): skipped. */
+            int first_token = pos < ctx0 ? 0 : pos - ctx0 + 1;
+            for (int kh = 0; kh < hk; kh++) {
+                vf v[MAX_VECS];
+                for (int j = 0; j < nv; j++) v[j] = load(v_cache + (off + kh * cs2 + j * W) * esz, dtype);
+                for (int ti = first_token; ti < nt; ti++)
+                    for (int r = ti * per_token + kh * group; r < ti * per_token + (kh + 1) * group; r++) {
+                        vf p = splat(sc[r][i]);
+                        for (int j = 0; j < nv; j++) acc[r][j] += p * v[j];
+                    }
             }
         }
     }
     for (int r = 0; r < rows; r++) {
-        int64_t t = t0 + r / group, h = (int64_t)g * group + r % group;
+        int64_t t = t0 + r / per_token, h = (int64_t)g * group + r % per_token;
         char *o = (char *)out + (t * os0 + h * os1) * esz;
         vf inv = splat(l[r] > 0.f ? 1.f / l[r] : 0.f);
         for (int j = 0; j < nv; j++) {
@@ -334,15 +340,15 @@ int paged_attention(
         }
     /* A work item is a tile and one kv head, or, for a batch of decodes
        (one new token per sequence) large enough to share out, a sequence
-       and as many of its kv heads as MAX_ROWS query rows hold: the bf16
-       kernel then reads whole cache rows in one pass (a token's heads are
-       adjacent) and no two cores pull the same rows into their caches. */
+       and as many of its kv heads as MAX_ROWS query rows hold: one pass over
+       its keys then reads whole cache rows (a token's heads are adjacent)
+       and no two cores pull the same rows into their caches. Each query
+       row's arithmetic is the same either way. */
     int all_decode = 1;
     for (int s = 0; all_decode && s < num_seqs; s++)
         all_decode = query_start_loc[s + 1] - query_start_loc[s] <= 1;
     int hk = 1;
-    if (HAVE_DPBF16 && dtype == BF16 && nv % 2 == 0 && all_decode
-        && num_tiles >= 8 * omp_get_max_threads())
+    if (all_decode && num_tiles >= 8 * omp_get_max_threads())
         for (hk = num_kv_heads; hk > 1 && (hk * group > MAX_ROWS || num_kv_heads % hk); hk--) {}
     int64_t passes = num_kv_heads / hk, items = num_tiles * passes;
     #pragma omp parallel for schedule(dynamic, 1)
@@ -355,7 +361,7 @@ int paged_attention(
         int ctx0 = seq_lens[s] - q_len + (t0 - query_start_loc[s]) + 1;
         const int32_t *table = block_tables + s * bts0;
 #define CALL(NV, DT) attend_tile(out, os0, os1, query, qs0, qs1, (const char *)k_cache, \
-        (const char *)v_cache, cs0, cs1, cs2, table, t0, nt, ctx0, g, group, NV, block_size, \
+        (const char *)v_cache, cs0, cs1, cs2, table, t0, nt, ctx0, g, hk, group, NV, block_size, \
         scale, DT)
 #define CALL_BF16(NP) attend_tile_bf16(out, os0, os1, query, qs0, qs1, (const char *)k_cache, \
         (const char *)v_cache, cs0, cs1, cs2, table, t0, nt, ctx0, g, hk, group, NP, block_size, \

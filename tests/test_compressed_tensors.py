@@ -53,7 +53,7 @@ def test_quantization_config_round_trips_and_refuses_what_is_not_read():
     base = CompressedConfig("int", "channel", "token").to_dict()
     group = base["config_groups"]["group_0"]
     for change, message in [
-        ({"format": "pack-quantized"}, "format 'pack-quantized' is not supported"),
+        ({"format": "marlin-24"}, "format 'marlin-24' is not supported"),
         ({"config_groups": {"a": group, "b": group}}, "2 config groups"),
         ({"config_groups": {"g": {**group, "weights": {**group["weights"], "num_bits": 4}}}},
          "4-bit compressed-tensors weights"),

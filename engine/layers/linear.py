@@ -42,7 +42,7 @@ def linear(
     local_in = in_features // size if parallel == "row" else in_features
     local_out = out_features // size if parallel == "column" else out_features
     if isinstance(quant, CompressedConfig):  # 8-bit weights with per-row scales
-        return ScaledLinear(local_in, local_out, bias, quant, parallel)
+        return ScaledLinear(local_in, local_out, bias, quant, parallel, fused)
     if quant is None:
         layer = Linear(local_in, local_out, bias=bias)
         if parallel is not None:

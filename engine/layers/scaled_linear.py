@@ -2,11 +2,14 @@
 FP8/INT8, and ``quantization="fp8"`` at load): engine/quantization/compressed.py
 says the format.
 
-The forward is the torch reference: the weight is dequantized on every call
-(``weight * weight_scale`` in float32, then the input's dtype) and, for a W8A8
-scheme, the input is quantized and scaled back the way the 8-bit matmul would
-see it. That is exact to the format and costs a dequantization per call
-(benchmarks/quantized.py measures it); the memory saved is the weights' at rest.
+On the CPU the forward is the torch reference: the weight is dequantized on
+every call (``weight * weight_scale`` in float32, then the input's dtype).
+That is exact to the format and costs a dequantization per call
+(benchmarks/scaled_linear_cpu.py measures it); the memory saved is the
+weights' at rest. With fused layers (the Triton backend, on CUDA) the matmul
+is ``kernels.scaled_matmul``, which reads the 8-bit weights as they are. For
+a W8A8 scheme either path first quantizes the input and scales it back, the
+way an 8-bit matmul would see it.
 """
 
 from __future__ import annotations
@@ -33,9 +36,14 @@ class ScaledLinear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, cfg: CompressedConfig,
-                 parallel: str | None = None) -> None:
+                 parallel: str | None = None, fused: bool = False) -> None:
         super().__init__()
         self.cfg = cfg
+        self._kernel = None
+        if fused:
+            from kernels.scaled_matmul import scaled_matmul  # imports triton: only where it runs
+
+            self._kernel = scaled_matmul
         column = parallel == "column"
 
         def param(t: torch.Tensor, tp_dim: int | None) -> nn.Parameter:
@@ -82,5 +90,8 @@ class ScaledLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.cfg.activations is not None:
             x = fake_quantize_input(x, self.cfg)
+        if self._kernel is not None:
+            y = self._kernel(x, self.weight, self.weight_scale)
+            return y if self.bias is None else y + self.bias
         w = dequantize_weight(self.weight, self.weight_scale).to(x.dtype)
         return F.linear(x, w, self.bias)

@@ -6,7 +6,9 @@ On the CPU the forward is the torch reference: the weight is dequantized on
 every call (``weight * weight_scale`` in float32, then the input's dtype).
 That is exact to the format and costs a dequantization per call
 (benchmarks/scaled_linear_cpu.py measures it); the memory saved is the
-weights' at rest. With fused layers (the Triton backend, on CUDA) the matmul
+weights' at rest. INT8 weights under bfloat16 inputs of a few rows (decode)
+instead take torch's int8 weight-only GEMV, which reads the 8-bit weight
+once and beats even a bfloat16 ``F.linear`` there. With fused layers (the Triton backend, on CUDA) the matmul
 is ``kernels.scaled_matmul``, which reads the 8-bit weights as they are. For
 a W8A8 scheme either path first quantizes the input and scales it back, the
 way an 8-bit matmul would see it.
@@ -25,6 +27,11 @@ from engine.quantization.compressed import (
     weight_dtype,
 )
 from engine.quantization.compressed_config import CompressedConfig
+
+# torch's CPU int8 GEMV costs one pass over the weight per input row, so past
+# this many rows dequantizing once and multiplying is cheaper (measured on
+# SmolLM2's shapes: docs/benchmarks.md).
+INT8_GEMV_MAX_ROWS = 32
 
 
 class ScaledLinear(nn.Module):
@@ -62,6 +69,10 @@ class ScaledLinear(nn.Module):
         self.weight_scale.broadcast_scalar = True  # a per-tensor scale fills its shard's rows
         self.weight_scale.optional = cfg.online
         self.bias = param(torch.zeros(out_features), 0) if bias else None
+        # NOTE: torch._weight_int8pack_mm is a private op; with in_features not
+        # a multiple of 16 it returns garbage or crashes, so ask for 32.
+        self._int8_gemv = (not fused and cfg.weight_type == "int" and in_features % 32 == 0
+                           and hasattr(torch, "_weight_int8pack_mm"))
 
     def checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
         """A checkpoint tensor of this layer -> (parameter name, value)."""
@@ -92,6 +103,13 @@ class ScaledLinear(nn.Module):
             x = fake_quantize_input(x, self.cfg)
         if self._kernel is not None:
             y = self._kernel(x, self.weight, self.weight_scale)
-            return y if self.bias is None else y + self.bias
-        w = dequantize_weight(self.weight, self.weight_scale).to(x.dtype)
-        return F.linear(x, w, self.bias)
+        elif (self._int8_gemv and x.is_cpu and x.dtype == torch.bfloat16 and x.dim() == 2
+              and x.shape[0] <= INT8_GEMV_MAX_ROWS):
+            # The sum is float32 over the exact integers; the scale is rounded
+            # to bfloat16 (the op's contract), about the output's own rounding.
+            y = torch._weight_int8pack_mm(x.contiguous(), self.weight,
+                                          self.weight_scale.to(torch.bfloat16))
+        else:
+            w = dequantize_weight(self.weight, self.weight_scale).to(x.dtype)
+            return F.linear(x, w, self.bias)
+        return y if self.bias is None else y + self.bias

@@ -159,7 +159,10 @@ class LlamaForCausalLM(nn.Module):
                     target = ".".join(parts[:i] + [our] + parts[i + 1 :])
             owner, _, leaf = target.rpartition(".")
             if hasattr(modules.get(owner), "checkpoint_tensor"):
-                leaf, tensor = modules[owner].checkpoint_tensor(leaf, tensor)
+                converted = modules[owner].checkpoint_tensor(leaf, tensor)
+                if converted is None:  # only checked (compressed-tensors' weight_shape)
+                    continue
+                leaf, tensor = converted
                 target = f"{owner}.{leaf}"
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} matches no parameter of the model")

@@ -531,3 +531,43 @@ def test_disaggregated_equals_colocated_equals_offline():
         # What `tandem bench serve --metrics-url` reads.
         summary = spec_metrics.scrape(f"http://127.0.0.1:{split[1].metrics_port}/metrics").summary()
         assert summary is not None and 0 < summary["acceptance_rate"] <= 1
+
+
+def test_draft_model_disaggregated_equals_colocated_equals_offline():
+    """A decode worker speculating with a draft model behind a prefill worker
+    (which runs the target only: the decode worker prefills the draft
+    itself, docs/architecture.md) gives the offline text, and so does a
+    colocated worker with a smaller draft (one layer, random weights, the
+    same vocabulary)."""
+    from gateway_fixtures import start_gateway, start_workers, wait_blocks_free
+    from worker_fixtures import metric, scrape
+
+    from tandem.cluster import LocalCluster
+
+    model = bigram("llama-gqa")
+    one_layer, _ = build_tiny_model("llama-gqa", root() / "draft-1-layer", num_hidden_layers=1)
+
+    def flag(draft):
+        return ["--speculative-config",
+                json.dumps({"model": str(draft), "num_speculative_tokens": 3})]
+
+    prompt = "the quick brown fox"
+    want = run_one(make_engine(model), prompt, SamplingParams(temperature=0, max_tokens=40,
+                                                              ignore_eos=True)).text
+    with LocalCluster() as cluster:
+        # The target as its own draft on the decode worker: its guesses hold.
+        split = start_workers(cluster, ["prefill", "decode"], 64, *flag(model), model=model,
+                              metrics=True)
+        both = start_workers(cluster, ["both"], 64, *flag(one_layer), model=model, metrics=True)
+        texts = []
+        for workers in (split, both):
+            gateway = start_gateway(cluster, workers, model=model)
+            with gateway.client() as client:
+                texts.append(client.completions.create(
+                    model="tiny-llama", prompt=prompt, max_tokens=40, temperature=0,
+                    extra_body={"ignore_eos": True}).choices[0].text)
+            wait_blocks_free(workers)
+        assert texts == [want, want]
+        assert metric(scrape(split[1].metrics_port), "vllm:spec_decode_num_accepted_tokens_total") > 0
+        assert metric(scrape(both[0].metrics_port), "vllm:spec_decode_num_drafts_total") > 0
+        assert not metric(scrape(split[0].metrics_port), "vllm:spec_decode_num_drafts_total")

@@ -102,6 +102,11 @@ class StepCostModel:
     def calibrated(self) -> bool:
         return self._num_plain >= MIN_STEPS
 
+    def snapshot(self) -> dict[str, dict[int, float]]:
+        """The tables, seconds by rows (benchmarks print what was measured)."""
+        return {"plain": dict(sorted(self._plain.items())),
+                "verify": dict(sorted(self._verify.items()))}
+
     def estimate(self, num_seqs: int, max_draft: int) -> StepCosts | None:
         """Costs at ``num_seqs`` sequences and up to ``max_draft`` proposed
         tokens, or None before ``MIN_STEPS`` plain steps were seen."""

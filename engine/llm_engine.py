@@ -27,6 +27,7 @@ from engine.config import EngineConfig
 from engine.host_kv_store import HostKVStore
 from engine.host_kv_tier import HostKVTier
 from engine.kv_cache_manager import KVCacheManager
+from engine.layer_streams import LayerKVSink, LayerStreams
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
 from engine.outputs import EngineStats, KVProgress, RequestOutput
@@ -67,6 +68,7 @@ class LLMEngine:
         self.spec = make_spec_decoder(config, self.model_config, self.max_model_len)
         self._attach_host_tier()
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.spec)
+        self.layer_streams = LayerStreams(self.scheduler, self.kv)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.num_steps = 0  # steps that ran the model: a liveness signal for callers
         logger.info(
@@ -164,6 +166,20 @@ class LLMEngine:
             self.output_processor.skip_sent(request_id, 1)
         return self._process([request])
 
+    def stream_layers(self, request_id: str, sink: LayerKVSink) -> None:
+        """Tell ``sink`` (engine/layer_streams.py) layer by layer, on the
+        engine thread and inside each step, which blocks of the prompt of
+        ``request_id`` hold final KV, so that a transport can move layer
+        ``i`` while layer ``i + 1`` computes. Call it right after
+        ``add_request``, before the request's first step (in the same
+        engine-thread call); the sink is dropped when the request finishes
+        or is aborted. The blocks stay the request's to read only while it
+        runs or holds them (``hold_blocks``); a sink that reads them later
+        must finish before ``release``. KeyError if the request is unknown."""
+        if request_id not in self.scheduler.requests:
+            raise KeyError(request_id)
+        self.layer_streams.add(request_id, sink)
+
     def kv_progress(self, request_id: str) -> KVProgress | None:
         """How far the KV of a request that runs here has got: its block
         ids, how many of them are fully computed, and whether it finished.
@@ -185,6 +201,7 @@ class LLMEngine:
         request = self.scheduler.requests.get(request_id)
         if request is None:
             return
+        self.layer_streams.drop(request_id)
         if request.finished:
             self.scheduler.release_held(request_id)
         else:
@@ -200,6 +217,7 @@ class LLMEngine:
             request_ids = [request_ids]
         outs = []
         for request_id in request_ids:
+            self.layer_streams.drop(request_id)
             for seq in self.output_processor.sequences(request_id):
                 self.scheduler.finish(seq.request_id, RequestStatus.FINISHED_ABORTED)
             out = self.output_processor.abort(request_id)
@@ -310,10 +328,12 @@ class LLMEngine:
         """Schedule, run the model, sample, and return the outputs of the
         requests that got a token or finished."""
         sched = self.scheduler.schedule()
+        self.layer_streams.scheduled(sched)
         if not sched:
             self._forget_if_idle(sched)
             return []
-        result = self.runner.execute(sched)
+        with self.layer_streams.step(sched, self.runner.model):
+            result = self.runner.execute(sched)
         self.num_steps += 1
         outputs = self._process(self.scheduler.update(sched, result))
         if not self.scheduler.has_unfinished():

@@ -6,7 +6,7 @@ where each token's keys and values live is in the attention metadata.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -114,6 +114,9 @@ class LlamaForCausalLM(nn.Module):
         )
         # A tied head multiplies by the embedding table: its own packed copy.
         self.head_packed = PackedWeight() if self.lm_head is None else self.lm_head.packed
+        # Called with each layer's index once it stored its KV, during steps
+        # that stream a prompt's KV by layer (engine/layer_streams.py sets it).
+        self.on_layer_done: Callable[[int], None] | None = None
 
     def forward(
         self,
@@ -123,8 +126,10 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden]
         x, residual = self.embed_tokens(input_ids), None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             x, residual = layer(x, residual, positions, kv_cache, meta)
+            if self.on_layer_done is not None:
+                self.on_layer_done(i)
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

@@ -19,7 +19,8 @@ DTYPES = tuple(DTYPE_SIZES)
 DTYPE_CHOICES = ("auto", *DTYPES)  # what a user may ask for
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 LOAD_FORMATS = ("auto", "dummy")
-# "compressed-tensors": insist on such a checkpoint (FP8/INT8 weights); "fp8":
+# "compressed-tensors": insist on such a checkpoint (FP8/INT8 weights with
+# scales, or pack-quantized 4/8-bit integers); "fp8":
 # such a checkpoint, or quantize a float one's linear layers at load.
 QUANTIZATIONS = ("gptq", "awq", "compressed-tensors", "fp8")
 # --- KV cache dtype (issue 16) ---
@@ -64,8 +65,8 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    # GPTQ/AWQ weight-only quantization, or 8-bit compressed-tensors weights,
-    # of the decoder's linear layers.
+    # GPTQ/AWQ/pack-quantized weight-only integers (QuantConfig), or 8-bit
+    # compressed-tensors weights with scales, of the decoder's linear layers.
     quantization: QuantConfig | CompressedConfig | None = None
 
     def __post_init__(self) -> None:

@@ -47,15 +47,19 @@ class PromptDone:
     than the request's final output (and without a call to the engine
     thread, which may be busy with the next step by then)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, device: torch.device) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, device: torch.device,
+                 num_blocks: int) -> None:
+        """``num_blocks``: the prompt's (a chunked prompt's table is shorter
+        until its last chunk)."""
         self.loop = loop
         self.cuda = device.type == "cuda"
+        self.num_blocks = num_blocks
         self.blocks: asyncio.Future = loop.create_future()
         self._ids: list[int] = []
         self._complete = False
 
     def begin_step(self, block_ids: list[int], num_final: int) -> None:
-        self._ids, self._complete = block_ids, num_final == len(block_ids)
+        self._ids, self._complete = block_ids, num_final == self.num_blocks
 
     def layer_done(self, layer: int) -> None:
         pass

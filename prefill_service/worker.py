@@ -142,7 +142,8 @@ class PrefillWorker(WorkerBase):
 
                 def at_end(_):
                     nonlocal sink
-                    sink = PromptDone(asyncio.get_running_loop(), self.io.device)
+                    sink = PromptDone(asyncio.get_running_loop(), self.io.device,
+                                      len(ticket.block_ids))
                     return sender.send_when(request_id, ticket, sink.blocks)
 
                 send_span, transfer = self._start_send(

@@ -38,11 +38,11 @@ pytest.importorskip("mooncake.engine", reason="the mooncake wheel or its RDMA li
 
 NUM_BLOCKS = 64
 MOONCAKE = ("--transport", "mooncake,grpc")
-# A prefill worker that writes by layer (on a CPU the default writes once)
-# and computes prompts in 16-token chunks: a prompt's KV is written layer by
-# layer over several steps.
-BY_LAYER = ("--mooncake-layer-writes", "on", "--long-prefill-token-threshold", "16",
-            "--max-num-batched-tokens", "16")
+# Prefill workers compute prompts in 16-token chunks: the one write after the
+# prompt (a CPU's default) comes after several steps, and written by layer a
+# prompt's KV goes over several steps.
+CHUNKED = ("--long-prefill-token-threshold", "16", "--max-num-batched-tokens", "16")
+BY_LAYER = ("--mooncake-layer-writes", "on", *CHUNKED)
 PROMPTS = ["the quick brown fox", "a" * 150, "tandem " * 30]
 
 
@@ -60,8 +60,8 @@ def cluster(trace_file):
 @pytest.fixture(scope="module")
 def workers(cluster):
     """A prefill worker and two decode workers on mooncake, and a colocated one."""
-    disagg = start_workers(cluster, ["prefill", "decode", "decode"], NUM_BLOCKS, *MOONCAKE,
-                           metrics=True)
+    disagg = start_workers(cluster, ["prefill"], NUM_BLOCKS, *MOONCAKE, *CHUNKED, metrics=True)
+    disagg += start_workers(cluster, ["decode", "decode"], NUM_BLOCKS, *MOONCAKE, metrics=True)
     both = start_workers(cluster, ["both"], NUM_BLOCKS)
     return disagg + both
 

@@ -8,9 +8,11 @@ One cluster: 1 prefill and 1 decode worker (the bundled SmolLM2), each on
 its own half of the cores as ``tandem up`` places them, and three gateways
 in front of the same two workers, one per policy. Each round sends the same
 request stream (``tandem bench serve --dataset mixed``: Poisson arrivals,
-most prompts short and a fraction long, random token ids, so no prefix-cache
-hits) through each gateway in turn, the order rotating from round to round,
-so that a change in the machine's load hits the policies alike.
+most prompts short and a fraction long, random token ids) through each
+gateway in turn, the order rotating from round to round, so that a change in
+the machine's load hits the policies alike. The workers run without prefix
+caching: the policies send the same prompts, and the ones after the first
+would otherwise find them cached.
 
 Per policy over all rounds: goodput (requests that met every SLO per second
 of benchmark time), TTFT and TPOT medians and p90 of the short and the long
@@ -93,8 +95,10 @@ def main() -> None:
     cores = split_cores(2)
     pin = [["--cpu-cores", c] for c in cores] if cores else [[], []]
     wire = "mooncake,grpc" if args.transport == "mooncake" else args.transport
+    # NOTE: no prefix caching: every policy sends the same prompts, which the
+    # workers would otherwise serve from the cache after the first policy.
     common = ["--model", str(model_dir), "--kv-cache-gib", args.kv_cache_gib,
-              "--transport", wire]
+              "--transport", wire, "--no-prefix-caching"]
     slos = {k: float(v) for k, v in (s.split(":") for s in args.goodput)}
     results: dict[str, list[dict]] = {p: [] for p in POLICIES}
     with tempfile.TemporaryDirectory() as tmp, LocalCluster() as cluster:

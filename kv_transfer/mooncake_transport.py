@@ -104,6 +104,7 @@ class MooncakeSender(KVSender):
 
         async def write() -> dict:
             src, event = await blocks
+            started = time.perf_counter()
             if len(src) != len(ticket.block_ids):
                 raise ValueError(f"{len(src)} source blocks for a ticket of "
                                  f"{len(ticket.block_ids)}")
@@ -114,7 +115,7 @@ class MooncakeSender(KVSender):
                     write_after, event, ticket.mooncake.rpc_address, *segments))
                 await asyncio.wrap_future(pending[-1])
             return {"bytes_written": sum(segments[2]), "num_blocks": len(ticket.block_ids),
-                    "segments": len(segments[2])}
+                    "segments": len(segments[2]), "started": started}
 
         async def stop() -> None:
             if pending:
@@ -139,6 +140,7 @@ class MooncakeSender(KVSender):
         async def write() -> dict:
             writes.start()
             await computed
+            started = time.perf_counter()
             for future in list(writes.futures):
                 await asyncio.wrap_future(future)
             if not writes.complete:
@@ -146,7 +148,8 @@ class MooncakeSender(KVSender):
                                    f"{writes.landed}, {len(writes.dst)} each")
             nbytes = len(writes.dst) * self.layout.block_bytes_per_layer * writes.num_layers
             return {"bytes_written": nbytes, "num_blocks": len(writes.dst),
-                    "layer_blocks": writes.landed, "segments": writes.num_segments}
+                    "layer_blocks": writes.landed, "segments": writes.num_segments,
+                    "started": started}
 
         async def stop() -> None:
             writes.close()
@@ -162,12 +165,14 @@ class MooncakeSender(KVSender):
     async def _transfer(self, request_id: str, ticket: worker_pb2.Ticket, write,
                         stop) -> TransferStats:
         """The stream around ``write()``, which returns the done message's
-        fields (and "segments", for the stats). On any failure ``stop()``
-        runs before the stream closes: the decode worker stops holding its
-        blocks for us once it has, so no write may still be running then."""
+        fields, and for the stats "segments" and "started" (when the KV was
+        ready: the stats' seconds run from there to the acknowledgement,
+        not from the stream's opening, which is with the prompt). On any
+        failure ``stop()`` runs before the stream closes: the decode worker
+        stops holding its blocks for us once it has, so no write may still
+        be running then."""
         peer = f"decode worker {ticket.decode_worker_id}"
         stub = worker_pb2_grpc.WorkerStub(self.channels.get(ticket.decode_address))
-        start = time.perf_counter()
         call = stub.WriteKV(timeout=_stream_timeout(ticket))
         try:
             await call.write(worker_pb2.WriteKVMessage(begin=worker_pb2.WriteKVBegin(
@@ -180,7 +185,7 @@ class MooncakeSender(KVSender):
             # The blocks are ours to write until "done": measure first contact here.
             await self._first_contact(ticket)
             done = await write()
-            segments = done.pop("segments")
+            segments, start = done.pop("segments"), done.pop("started")
             await call.write(worker_pb2.WriteKVMessage(done=worker_pb2.WriteKVDone(**done)))
             await call.done_writing()
             reply = await call.read()

@@ -169,6 +169,7 @@ class PrefillWorker(WorkerBase):
                                  "cached_tokens": final.num_cached_tokens,
                                  "queue_s": _queue_seconds(final)})
             computed = True
+            compute_end = time.perf_counter()
             comp = final.outputs[0]
             if not comp.token_ids:  # structured outputs: the grammar allowed no first token
                 raise ValueError(f"request {request_id!r}: its grammar allows no first token "
@@ -185,7 +186,8 @@ class PrefillWorker(WorkerBase):
                 progress.complete()
             try:
                 stats = await transfer
-                send_span.set_attribute("bytes", stats.bytes)
+                handoff = time.perf_counter() - compute_end
+                send_span.set_attributes({"bytes": stats.bytes, "handoff_s": handoff})
                 end_span(send_span)
             except BaseException as exc:
                 end_span(send_span, exc)
@@ -213,7 +215,7 @@ class PrefillWorker(WorkerBase):
             await self.aengine.run(lambda e: e.release(request_id))
         resp = worker_pb2.PrefillResponse(
             first_token_id=first_token, num_cached_tokens=final.num_cached_tokens,
-            kv_bytes=stats.bytes, transfer_seconds=stats.seconds,
+            kv_bytes=stats.bytes, transfer_seconds=handoff,
         )
         if comp.finish_reason == "stop" or params.max_tokens == 1:
             # The first token ends the request (EOS, a stop token or string,

@@ -28,7 +28,7 @@ from concurrent.futures import Future
 import torch
 from opentelemetry import trace
 
-from kv_transfer.mooncake_endpoint import MooncakeEndpoint, Run, Segments
+from kv_transfer.mooncake_endpoint import MooncakeEndpoint
 from rpc.protos import worker_pb2
 from rpc.tracing import tracer
 
@@ -47,7 +47,6 @@ class LayerWrites:
         self.sent = [0] * num_layers  # per layer, leading blocks queued
         self.landed = [0] * num_layers  # per layer, leading blocks written
         self.bytes_moved = 0
-        self.num_segments = 0
         self.futures: list[Future] = []  # the writes handed to the writer thread
         self._held: list[tuple] = []  # writes planned before ``start``
         self._lock = threading.Lock()  # the engine thread plans, the event loop starts
@@ -57,7 +56,6 @@ class LayerWrites:
         self._context = trace.set_span_in_context(span) if recording else None
         self._ids: list[int] = []
         self._final = 0
-        self._runs: dict[tuple[int, int], list[Run]] = {}
         self._done_layers: set[int] = set()
         self._layer_start = 0  # ns: when this step's current layer began computing
         self._cuda = endpoint.device.type == "cuda"
@@ -67,7 +65,6 @@ class LayerWrites:
     def begin_step(self, block_ids: list[int], num_final: int) -> None:
         self._ids, self._final = block_ids, num_final
         self._done_layers = set()
-        self._runs: dict[tuple[int, int], list[Run]] = {}  # (lo, hi) -> their runs
         self._layer_start = time.time_ns()
 
     def layer_done(self, layer: int) -> None:
@@ -78,7 +75,8 @@ class LayerWrites:
         lo, hi = self.sent[layer], min(self._final, len(self.dst))
         if self.closed or hi <= lo:
             return
-        segments = self._plan(layer, lo, hi)
+        segments = self.endpoint.segments(self.target, self._ids[lo:hi], self.dst[lo:hi],
+                                          range(layer, layer + 1))
         event = None
         if self._cuda:  # the layer's kernels are queued, not done: the write waits for them
             event = torch.cuda.Event()
@@ -90,13 +88,6 @@ class LayerWrites:
             else:
                 self._held.append((layer, hi, segments, event))
         self.sent[layer] = hi
-
-    def _plan(self, layer: int, lo: int, hi: int) -> Segments:
-        """Segments of blocks [lo, hi) in ``layer``; their runs are found once a step."""
-        runs = self._runs.get((lo, hi))
-        if runs is None:
-            runs = self._runs[(lo, hi)] = self.endpoint.runs(self._ids[lo:hi], self.dst[lo:hi])
-        return self.endpoint.place(self.target, runs, range(layer, layer + 1))
 
     def end_step(self) -> None:
         for layer in range(self.num_layers):
@@ -138,7 +129,6 @@ class LayerWrites:
         self.endpoint.write(self.target.rpc_address, *segments)
         nbytes = sum(segments[2])
         self.bytes_moved += nbytes
-        self.num_segments += len(segments[2])
         self.landed[layer] = upto
         self._span("kv_transfer.layer_write", start, time.time_ns(), layer=layer,
                    blocks_upto=upto, bytes=nbytes, segments=len(segments[2]))

@@ -92,7 +92,7 @@ def per_request_costs() -> dict[str, float]:
     import timeit
 
     from gateway.auth import ApiKeys
-    from gateway.openai_api import _is_unicode_text
+    from gateway.request_guard import is_unicode_text
 
     keys = ApiKeys(KEYS)
     header = f"Bearer {KEY}"
@@ -102,7 +102,7 @@ def per_request_costs() -> dict[str, float]:
     return {
         "key check (3 keys) us": min(timeit.repeat(lambda: keys.check(header), number=n,
                                                    repeat=5)) / n * 1e6,
-        "body check us": min(timeit.repeat(lambda: _is_unicode_text(body), number=n,
+        "body check us": min(timeit.repeat(lambda: is_unicode_text(body), number=n,
                                            repeat=5)) / n * 1e6,
     }
 

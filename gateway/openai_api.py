@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import re
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
@@ -26,6 +25,7 @@ from sse_starlette import EventSourceResponse
 from gateway.fan_in import FanIn
 from gateway.openai_render import ChatRenderer, CompletionRenderer
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.request_guard import RequestGuard, error_body
 from gateway.sequence import Chunk
 from gateway.service import GatewayService, ModelNotFound, request_span
 from gateway.structured import InvalidField, build, constraint_of
@@ -40,37 +40,8 @@ RETRY_AFTER_S = "1"
 _tracer = tracer("tandem.gateway")
 
 
-class Unauthorized(Exception):
-    pass
-
-
-def error_body(message: str, type_: str, code: str | int | None = None,
-               param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-
-
-def _is_unicode_text(body: bytes) -> bool:
-    """Whether the body is UTF-8 whose JSON strings are Unicode text: JSON
-    may escape a lone surrogate (``"\\ud800"``), which no tokenizer or
-    encoder downstream accepts."""
-    try:
-        body.decode("utf-8")
-        if _SURROGATE_ESCAPE.search(body):  # rare: only then parse to check
-            json.dumps(json.loads(body), ensure_ascii=False).encode("utf-8")
-    except UnicodeError:
-        return False
-    except ValueError:  # not JSON: the route's parser says so
-        return True
-    return True
-
-
 def error_response(exc: BaseException) -> JSONResponse:
     """The status and OpenAI error object for an exception."""
-    if isinstance(exc, Unauthorized):
-        return JSONResponse(error_body(str(exc), "authentication_error", "invalid_api_key"), 401)
     if isinstance(exc, Overloaded):
         return JSONResponse(error_body(str(exc), "rate_limit_error", "rate_limit_exceeded"), 429,
                             headers={"Retry-After": RETRY_AFTER_S})
@@ -119,7 +90,7 @@ def build_app(service: GatewayService) -> FastAPI:
     # Exception alone runs in Starlette's ServerErrorMiddleware, which sends
     # the response and then re-raises: uvicorn logs a traceback for every 400
     # and drops the connection, so clients saw "connection reset" instead.
-    for cls in (ValueError, TandemError, Unauthorized):
+    for cls in (ValueError, TandemError):
         app.add_exception_handler(cls, _known)
 
     @app.exception_handler(ClientGone)
@@ -130,24 +101,8 @@ def build_app(service: GatewayService) -> FastAPI:
     async def _any(request: Request, exc: Exception):  # unexpected: 500, and logged
         return error_response(exc)
 
-    @app.middleware("http")
-    async def _auth_and_body(request: Request, call_next):
-        if request.url.path.startswith(_KEYED_PATHS) and \
-                service.keys.check(request.headers.get("authorization")) is None:
-            return error_response(Unauthorized("Incorrect or missing API key"))
-        if request.method == "POST":
-            limit = service.config.max_body_bytes
-            declared = request.headers.get("content-length", "")
-            if declared.isdigit() and int(declared) > limit:
-                return _too_large(limit)
-            body = await request.body()
-            if len(body) > limit:  # a chunked body declares no length
-                return _too_large(limit)
-            if not _is_unicode_text(body):
-                return JSONResponse(error_body("the request body is not valid UTF-8 (or "
-                                               "escapes half of a UTF-16 surrogate pair)",
-                                               "invalid_request_error"), 400)
-        return await call_next(request)
+    app.add_middleware(RequestGuard, check_key=service.keys.check,
+                       max_body_bytes=service.config.max_body_bytes)
 
     @app.get("/health")
     async def health(request: Request):
@@ -254,12 +209,6 @@ def _chat_tools(service: GatewayService, body: ChatCompletionRequest):
 
 # What a caller needs a key for (when keys are set): the API, the metrics,
 # and the schema; /health answers everyone, with details for a key holder.
-_KEYED_PATHS = ("/v1/", "/metrics", "/openapi.json", "/docs", "/redoc")
-
-
-def _too_large(limit: int) -> JSONResponse:
-    return JSONResponse(error_body(f"the request body is larger than {limit} bytes",
-                                   "invalid_request_error"), 413)
 
 
 async def _traced(name: str, request: Request, handler, body):

@@ -12,6 +12,8 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
+from engine.cpu_malloc import keep_freed_memory
+
 
 def rank_device(device: str, rank: int) -> str:
     """``cuda`` / ``cuda:N`` -> the GPU of ``rank`` (N + rank); the CPU is shared."""
@@ -35,8 +37,11 @@ def claim_device(device: str, tp_size: int) -> None:
     """Set this process up to run one of ``tp_size`` ranks on ``device``: its
     GPU current on CUDA; on the CPU, with several ranks, an equal share of
     the cores (each rank running a full pool of threads oversubscribes the
-    machine, and the ranks then wait on each other at every all-reduce)."""
+    machine, and the ranks then wait on each other at every all-reduce), and
+    malloc keeping the memory each step frees (cpu_malloc.py)."""
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
-    elif tp_size > 1:
+        return
+    keep_freed_memory()
+    if tp_size > 1:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp_size))

@@ -35,7 +35,9 @@ def main() -> None:
     work = json.loads(args.workload.read_text())
     prompts, lens = work["prompts"], work["output_lens"]
     t0 = time.perf_counter()
-    llm = LLM(args.model, dtype=args.dtype, device="cpu")
+    # NOTE: no prefix caching, in either system: a repetition would otherwise
+    # find the last one's prompts cached and skip their prefill.
+    llm = LLM(args.model, dtype=args.dtype, device="cpu", enable_prefix_caching=False)
     startup = time.perf_counter() - t0
 
     def once(ps, ns):

@@ -36,8 +36,9 @@ def main() -> None:
     prompts, lens = work["prompts"], work["output_lens"]
     longest = max(len(p) + n for p, n in zip(prompts, lens))
     t0 = time.perf_counter()
+    # NOTE: no prefix caching, in either system (see tandem_offline.py).
     llm = LLM(model=args.model, dtype=args.dtype, enforce_eager=args.enforce_eager, seed=0,
-              max_model_len=max(2048, longest))
+              max_model_len=max(2048, longest), enable_prefix_caching=False)
     startup = time.perf_counter() - t0
 
     def once(ps, ns):

@@ -235,6 +235,18 @@ static inline __attribute__((always_inline)) void attend_tile_bf16(
             krow[i] = k_cache + off * 2;
             vrow[i] = v_cache + off * 2;
         }
+        /* The next chunk's rows are in other blocks, wherever the table puts
+           them, so the hardware prefetcher cannot run ahead across the
+           jump: ask for them now, while this chunk computes. */
+        const int row_bytes = hk * nv * 32;
+        for (int i = 0; i < 16 && c0 + 16 + i < ctx_max; i++) {
+            int pos = c0 + 16 + i;
+            int64_t off = (int64_t)table[pos / block_size] * cs0 + (pos % block_size) * cs1 + g * cs2;
+            for (int b = 0; b < row_bytes; b += 64) {
+                _mm_prefetch(k_cache + off * 2 + b, _MM_HINT_T0);
+                _mm_prefetch(v_cache + off * 2 + b, _MM_HINT_T0);
+            }
+        }
         for (int r = 0; r < rows; r++) {
             int valid = ctx0 + r / per_token - c0;  /* keys of this chunk row r sees */
             valid = valid < 0 ? 0 : valid < n ? valid : n;

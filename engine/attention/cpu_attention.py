@@ -107,6 +107,15 @@ static inline __attribute__((always_inline)) void attend_tile(
     const int ctx_max = ctx0 + nt - 1;
     for (int c0 = 0; c0 < ctx_max; c0 += CHUNK) {
         int n = ctx_max - c0 < CHUNK ? ctx_max - c0 : CHUNK;
+        /* The next chunk's rows, across block boundaries (as attend_tile_bf16). */
+        for (int i = 0; i < CHUNK && c0 + CHUNK + i < ctx_max; i++) {
+            int pos = c0 + CHUNK + i;
+            int64_t off = (int64_t)table[pos / block_size] * cs0 + (pos % block_size) * cs1 + g * cs2;
+            for (int b = 0; b < hk * nv * W * esz; b += 64) {
+                __builtin_prefetch(k_cache + off * esz + b);
+                __builtin_prefetch(v_cache + off * esz + b);
+            }
+        }
         for (int i = 0; i < n; i++) {
             int pos = c0 + i;
             int64_t off = (int64_t)table[pos / block_size] * cs0 + (pos % block_size) * cs1 + g * cs2;

@@ -27,10 +27,12 @@ Pauses and probes: a sequence none of whose guesses is taken pauses, then
 probes with at least one guess, which can bring its rate back when the
 text starts to repeat. The pause is 4 steps, doubling to 64 while its
 probes find nothing, and back to 4 once the sequence's guesses are taken
-again. Probes fall on steps that are multiples of the pause (one to two
-pauses away), so the sequences that pause alike probe in the same step and
-share what verifying costs once; a step with a probe takes every guess
-that adds to its tokens per second. Until the cost model has seen a few
+again; a new sequence starts from the pause the last sequence to finish
+had reached, so text that never pays is not probed afresh per request.
+Probes fall on steps that are multiples of the pause (one to two pauses
+away), so the sequences that pause alike probe in the same step and share
+what verifying costs once; a step with a probe takes every guess that adds
+to its tokens per second. Until the cost model has seen a few
 plain steps, every other step speculates with every guess, the others run
 plain.
 
@@ -81,8 +83,10 @@ class SpecDecoder:
         self.cost = StepCostModel(default_clock(device))
         self.stats = SpecDecodeStats()
         self._seqs: dict[str, _SeqState] = {}
-        # Over all sequences, decayed; a new sequence starts from this rate.
+        # Over all sequences, decayed; a new sequence starts from this rate,
+        # and from the pause the last sequence to finish had reached.
         self._accepted, self._trials = 0.7, 1.0
+        self._backoff = BACKOFF_STEPS
         self._step = 0
 
     def propose(self, running: list[Request]) -> dict[str, Proposal]:
@@ -96,7 +100,9 @@ class SpecDecoder:
             room = min(k, r.params.max_tokens - r.num_output_tokens - 1,
                        self.max_model_len - r.num_tokens)
             if room >= 1 and speculates(r):
-                state = self._seqs.setdefault(r.request_id, _SeqState())
+                state = self._seqs.get(r.request_id)
+                if state is None:
+                    state = self._seqs[r.request_id] = _SeqState(backoff=self._backoff)
                 state.probing = False
                 candidates.append((r, state, room))
         if not candidates:
@@ -198,7 +204,9 @@ class SpecDecoder:
             self.cost.end(len(scheduled), sum(len(s.draft_token_ids) for s in scheduled))
 
     def forget(self, request_id: str) -> None:
-        self._seqs.pop(request_id, None)
+        state = self._seqs.pop(request_id, None)
+        if state is not None:
+            self._backoff = state.backoff
         self.proposer.forget(request_id)
 
 

@@ -18,8 +18,8 @@ costs and what a step verifying ``E`` guesses would. The step takes the
 ``E`` guesses worth most (a sequence's first before its second), with the
 ``E`` that gives the most expected tokens per second, ``(B + sum of their
 a^i) / cost(B + E)``, and speculates only if that beats a plain step's
-``B / cost(B)`` (checked again with what was proposed: a lookup may find
-less). So when acceptance collapses, or rows are dear, speculation stops;
+``B / cost(B)`` by 3% (``MARGIN``; checked again with what was proposed: a
+lookup may find less). So when acceptance collapses, or rows are dear, speculation stops;
 when rows are nearly free (a CPU's matmul below its blocking size, a GPU's
 memory-bound decode), it guesses freely.
 
@@ -62,6 +62,11 @@ DECAY = 0.5  # weight a sequence's acceptance counts keep per proposal
 GLOBAL_DECAY = 0.99  # the same over all sequences' proposals
 BACKOFF_STEPS = 4
 MAX_BACKOFF = 64
+# NOTE: speculate only when expected tokens per second beat a plain step's by
+# this much: the step-cost tables are running means of noisy timings (a few
+# percent apart at one size), and a guess that only breaks even is a loss
+# whenever they err.
+MARGIN = 1.03
 
 
 @dataclass
@@ -123,7 +128,7 @@ class SpecDecoder:
             guesses = sum(len(p.token_ids) for _, _, p in kept)
             tokens = len(decoding) + sum(self._expected(state, len(p.token_ids))
                                          for _, state, p in kept)
-            if tokens / costs.verify[guesses] <= len(decoding) / costs.plain:
+            if tokens / costs.verify[guesses] <= MARGIN * len(decoding) / costs.plain:
                 self._pause(state for _, state, _ in kept)  # not those a lookup found nothing for
                 return {}
         return {rid: p for rid, _, p in kept}
@@ -151,7 +156,7 @@ class SpecDecoder:
         per_second = tokens / (costs.verify[: len(chosen) + 1] + costs.propose * guesses)
         per_second[: len(forced) + (not forced)] = 0.0  # at least the probes; without, a guess
         best = int(per_second.argmax())
-        if not forced and per_second[best] <= num_seqs / costs.plain:
+        if not forced and per_second[best] <= MARGIN * num_seqs / costs.plain:
             best = 0
         lengths = [0] * len(candidates)
         for _, i in chosen[:best]:

@@ -22,7 +22,9 @@ per sequence: 1 + accepted / proposals). Also CPU time per output token (the pro
 time in its steps): on a shared machine wall-clock numbers move with everyone else's load,
 the CPU time a token costs much less (run with ``--threads 1`` so it is one core's work).
 The lockstep run is repeated ``--repeat`` times; the run with the median CPU time per
-token is reported for each arm. The output tokens with and without speculation are checked
+token is reported for each arm. At batch 16 it also splits each arm's CPU per token
+between the steps with the whole batch running and those with fewer (the tail, once some
+requests finished). The output tokens with and without speculation are checked
 equal (greedy). The load average is printed: the machine may be shared. After the table,
 the step costs the speculating engine measured (engine/spec_decode/cost.py).
 """
@@ -88,6 +90,9 @@ class Arm:
         self.last: dict[str, float] = {}
         self.tokens: dict[str, list[int]] = {}
         self.stats0 = self.engine.stats().spec_decode
+        # [CPU seconds, tokens] of steps with the whole batch running, and with fewer.
+        self.phases = {"full": [0.0, 0], "short": [0.0, 0]}
+        self._seen: dict[str, int] = {}
 
     @property
     def done(self) -> bool:
@@ -99,12 +104,18 @@ class Arm:
             for i, prompt in self.queue[: self.batch]:
                 engine.add_request(str(i), prompt, self.params)
             self.queue = self.queue[self.batch :]
+        stats = engine.stats()
+        phase = self.phases["full" if stats.num_running + stats.num_waiting >= self.batch
+                            else "short"]
         w, c = time.perf_counter(), time.process_time()
         outs = engine.step()
         self.clock += time.perf_counter() - w
         self.cpu += time.process_time() - c
+        phase[0] += time.process_time() - c
         for out in outs:
             rid = out.request_id
+            phase[1] += len(out.outputs[0].token_ids) - self._seen.get(rid, 0)
+            self._seen[rid] = len(out.outputs[0].token_ids)
             if out.outputs[0].token_ids:
                 self.first.setdefault(rid, self.clock)
                 self.last[rid] = self.clock
@@ -118,7 +129,14 @@ class Arm:
         return {"tokens": self.tokens, "throughput": num_tokens / self.clock,
                 "cpu_ms_per_token": 1000 * self.cpu / num_tokens,
                 "tpot_ms": 1000 * sum(tpots) / len(tpots), "num_tokens": num_tokens,
-                "stats": (self.stats0, self.engine.stats().spec_decode)}
+                "stats": (self.stats0, self.engine.stats().spec_decode),
+                "phases": {k: 1000 * cpu / n if n else None for k, (cpu, n) in
+                           self.phases.items()},
+                "short_tokens": self.phases["short"][1]}
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
 
 
 def run(llms: dict[str, LLM], prompts: list[list[int]], batch: int,
@@ -195,6 +213,11 @@ def main() -> None:
             each = ", ".join(f"x{r['off']['cpu_ms_per_token'] / r['ngram']['cpu_ms_per_token']:.2f}"
                              for r in runs)
             print(f"CPU per token off/ngram in each run: {each}", flush=True)
+            if batch > 1:  # where a closed batch's cost goes (docs/benchmarks.md)
+                print("CPU ms/token with the whole batch running / fewer (tokens then): "
+                      + ", ".join(f"{name} {_ms(r['phases']['full'])} / "
+                                  f"{_ms(r['phases']['short'])} ({r['short_tokens']})"
+                                  for name, r in results.items()), flush=True)
     print(f"load average after: {os.getloadavg()}")
     for kind, costs in llms["ngram"].engine.spec.cost.snapshot().items():
         print(f"step costs the ngram engine measured, {kind} steps, ms by rows: "

@@ -69,7 +69,8 @@ async def bench_transports(address: str, sizes: list[int], repeats: int) -> dict
     from engine.sampling_params import SamplingParams
     from kv_transfer.grpc_transport import GrpcSender
     from kv_transfer.layout import KVLayout
-    from kv_transfer.mooncake_transport import MooncakeEndpoint, MooncakeSender
+    from kv_transfer.mooncake_endpoint import MooncakeEndpoint
+    from kv_transfer.mooncake_transport import MooncakeSender
     from kv_transfer.torch_transport import TorchSender
     from rpc.convert import params_to_proto
     from rpc.pool import ChannelPool
@@ -92,6 +93,7 @@ async def bench_transports(address: str, sizes: list[int], repeats: int) -> dict
         print("  mooncake: the decode worker could not start it (see its log); skipped")
     params = params_to_proto(SamplingParams(max_tokens=1))
     counter = 0
+    segments: dict[tuple[str, int], set[int]] = {}  # what the decode worker's blocks cost
 
     async def once(sender, mib: int) -> float:
         nonlocal counter
@@ -107,6 +109,8 @@ async def bench_transports(address: str, sizes: list[int], repeats: int) -> dict
             await stub.Abort(worker_pb2.AbortRequest(request_id=rid))
         if stats.bytes != mib << 20:
             raise RuntimeError(f"moved {stats.bytes} bytes, meant {mib << 20}")
+        if "segments" in stats.extra:
+            segments.setdefault((sender.name, mib), set()).add(stats.extra["segments"])
         return stats.seconds
 
     results: dict = {}
@@ -120,6 +124,8 @@ async def bench_transports(address: str, sizes: list[int], repeats: int) -> dict
     await channels.close()
     if endpoint is not None:
         endpoint.close()
+    for (name, mib), counts in sorted(segments.items()):
+        print(f"  {name} {mib} MiB: {min(counts)}-{max(counts)} segments per transfer")
     return results
 
 

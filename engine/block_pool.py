@@ -3,14 +3,27 @@
 A block is *free* when no request holds it (``ref_cnt == 0``); a free block
 may still hold a cached prefix (``block_hash`` set) and can be revived by a
 cache hit until it is handed out again. A cached block keeps the bytes its
-digest was computed from, and a hit must match them too (engine/prefix_hash.py). Blocks are handed out from the head of
-the free queue (least recently freed first), so cached prefixes survive as
-long as possible.
+digest was computed from, and a hit must match them too (engine/prefix_hash.py).
+
+Free blocks live in one of two places:
+
+    free_runs    cache nothing: handed out first, by address, in runs of
+                 consecutive ids (engine/free_runs.py)
+    free_queue   cache a prefix: evicted only when no other block is free,
+                 least recently freed first, so cached prefixes survive as
+                 long as possible
+
+A request's new blocks come back in ascending id order (after ``after``,
+when given), so that blocks taken together are consecutive in the table
+wherever their ids are: a KV transport then moves a request's cache as a
+few long ranges, not block by block.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+
+from engine.free_runs import FreeRuns
 
 
 class KVBlock:
@@ -87,7 +100,8 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
+        self.free_runs = FreeRuns(num_blocks)  # free, caching nothing
+        self.free_queue = FreeBlockQueue([])  # free, caching a prefix: LRU
         self._cached: dict[bytes, KVBlock] = {}
         # Called with each cached block just before allocate() hands it to a
         # new owner (the host KV tier keeps its bytes); None: dropped.
@@ -95,25 +109,35 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_queue)
+        return len(self.free_runs) + len(self.free_queue)
 
     @property
     def usage(self) -> float:
         """Fraction of blocks held by requests (0.0 - 1.0)."""
         return 1.0 - self.num_free_blocks / self.num_blocks
 
-    def allocate(self, n: int) -> list[KVBlock]:
-        """Take ``n`` blocks, evicting whatever prefix they cached."""
-        if n > len(self.free_queue):
-            raise ValueError(f"asked for {n} blocks, {len(self.free_queue)} free")
-        out = []
-        for _ in range(n):
+    def allocate(self, n: int, after: int | None = None) -> list[KVBlock]:
+        """Take ``n`` blocks: those that cache nothing first, in as few runs
+        of consecutive ids as there are (the ids right after ``after``
+        first, if free), then cached ones, evicting their prefixes least
+        recently freed first. Ascending ids, from ``after + 1`` round when
+        ``after`` is given."""
+        if n > self.num_free_blocks:
+            raise ValueError(f"asked for {n} blocks, {self.num_free_blocks} free")
+        clean = min(n, len(self.free_runs))
+        out = [self.blocks[i] for i in self.free_runs.take(clean, after)]
+        for _ in range(n - clean):
             block = self.free_queue.popleft()
-            if block.block_hash is not None and self.on_evict is not None:
+            if self.on_evict is not None:
                 self.on_evict(block)
             self._evict(block)
-            block.ref_cnt = 1
             out.append(block)
+        for block in out:
+            block.ref_cnt = 1
+        # NOTE: the order of new blocks in a table is free to choose (they
+        # hold nothing yet); by id, a set of neighbours is one run.
+        first = 0 if after is None else after + 1
+        out.sort(key=lambda b: (b.block_id - first) % self.num_blocks)
         return out
 
     def lookup(self, block_hash: bytes, preimage: bytes | None = None) -> KVBlock | None:
@@ -132,18 +156,19 @@ class BlockPool:
         """Take one more reference on each block (a cache hit or a fork)."""
         for block in blocks:
             if block.ref_cnt == 0:
-                self.free_queue.remove(block)
+                self._unfree(block)
             block.ref_cnt += 1
 
     def free(self, blocks: list[KVBlock]) -> None:
         """Drop one reference from each block; those that reach zero join the
-        free queue in the given order (pass a request's blocks tail first so
-        the end of a prefix is evicted before its start)."""
+        free runs, or, when they cache a prefix, the free queue in the given
+        order (pass a request's blocks tail first so the end of a prefix is
+        evicted before its start)."""
         for block in blocks:
             block.ref_cnt -= 1
             assert block.ref_cnt >= 0, f"{block} freed twice"
             if block.ref_cnt == 0:
-                self.free_queue.append(block)
+                self._refree(block)
 
     def cache(self, block: KVBlock, block_hash: bytes, preimage: bytes) -> None:
         """Publish a full block under its chained digest, keeping the bytes
@@ -155,13 +180,40 @@ class BlockPool:
             # to collide, a different one: lookups tell them apart by the
             # preimage); keep the first one.
             return
+        if block.ref_cnt == 0:
+            self._unfree(block)  # NOTE: callers publish held blocks; kept correct anyway
         block.block_hash = block_hash
         block.preimage = preimage
         self._cached[block_hash] = block
+        if block.ref_cnt == 0:
+            self._refree(block)
 
     def reset_prefix_cache(self) -> None:
         for block in list(self._cached.values()):
+            free = block.ref_cnt == 0
+            if free:
+                self._unfree(block)
             self._evict(block)
+            if free:
+                self._refree(block)
+
+    def free_block_ids(self) -> tuple[list[int], list[int]]:
+        """(free blocks caching nothing, ascending; free cached blocks in
+        eviction order), for tests and debugging."""
+        return self.free_runs.block_ids(), self.free_queue.block_ids()
+
+    def _unfree(self, block: KVBlock) -> None:
+        """Take a free block out of wherever it waits."""
+        if block.block_hash is not None:
+            self.free_queue.remove(block)
+        else:
+            self.free_runs.discard(block.block_id)
+
+    def _refree(self, block: KVBlock) -> None:
+        if block.block_hash is not None:
+            self.free_queue.append(block)
+        else:
+            self.free_runs.add(block.block_id)
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None:

@@ -126,8 +126,10 @@ class KVCacheManager:
         if num_needed > self.pool.num_free_blocks - num_revived:
             return False
         self.pool.touch(computed_blocks)
-        new = self.pool.allocate(max(num_needed, 0))
         blocks = self._blocks.setdefault(request.request_id, [])
+        last = blocks[-1] if blocks else computed_blocks[-1] if computed_blocks else None
+        # The table grows at its end: the blocks after its last one, if free, keep it one run.
+        new = self.pool.allocate(max(num_needed, 0), None if last is None else last.block_id)
         blocks.extend(computed_blocks)
         blocks.extend(new)
         if cache_new_blocks:

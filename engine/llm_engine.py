@@ -17,25 +17,23 @@ What a request's blocks go through, by caller::
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import time
 from collections.abc import Callable, Sequence
 
 from engine.completions import split_completions
-from engine.config import EngineConfig, ModelConfig
-from engine.dtypes import resolve_dtype
+from engine.config import EngineConfig
 from engine.host_kv_store import HostKVStore
 from engine.host_kv_tier import HostKVTier
 from engine.kv_cache_manager import KVCacheManager
-from engine.loader.resolve import resolve_model_dir
+from engine.layer_streams import LayerKVSink, LayerStreams
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
 from engine.outputs import EngineStats, KVProgress, RequestOutput
-from engine.quantization import CompressedConfig
 from engine.request import Request, RequestStatus
 from engine.request_checks import check_request
+from engine.resolved import resolve_model
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.scheduler_output import SchedulerOutput
@@ -47,18 +45,22 @@ logger = logging.getLogger("engine")
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        if config.node_rank != 0:
+            raise ValueError(
+                f"node_rank {config.node_rank} runs only its ranks' model shards, not an "
+                "engine: start it with a worker entry point (python -m decode_service "
+                "--node-rank ...), which joins the leader's group"
+            )
         # "auto" and the like become what runs, once: everything below (and
         # the KV layout workers compare) sees the concrete dtype.
-        config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype, config.device))
-        self.config = config
-        self.model_dir = resolve_model_dir(config.model,
-                                           allow_no_weights=config.load_format == "dummy")
-        self.model_config = ModelConfig.from_dir(self.model_dir)
-        self._check_quantization()
+        resolved = resolve_model(config)
+        config = self.config = resolved.config
+        self.model_dir = resolved.model_dir
+        self.model_config = resolved.model_config
         has_tokenizer = (self.model_dir / "tokenizer.json").is_file()
         self.tokenizer = Tokenizer(self.model_dir) if has_tokenizer else None
         self.eos_token_ids = self._eos_token_ids()
-        self.max_model_len = self._max_model_len()
+        self.max_model_len = resolved.max_model_len
         self.runner = ModelRunner(config, self.model_config, self.model_dir, self.max_model_len)
         cache = config.cache
         self.kv = KVCacheManager(self.runner.num_blocks, cache.block_size,
@@ -66,6 +68,7 @@ class LLMEngine:
         self.spec = make_spec_decoder(config, self.model_config, self.max_model_len)
         self._attach_host_tier()
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.spec)
+        self.layer_streams = LayerStreams(self.scheduler, self.kv)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.num_steps = 0  # steps that ran the model: a liveness signal for callers
         logger.info(
@@ -163,6 +166,20 @@ class LLMEngine:
             self.output_processor.skip_sent(request_id, 1)
         return self._process([request])
 
+    def stream_layers(self, request_id: str, sink: LayerKVSink) -> None:
+        """Tell ``sink`` (engine/layer_streams.py) layer by layer, on the
+        engine thread and inside each step, which blocks of the prompt of
+        ``request_id`` hold final KV, so that a transport can move layer
+        ``i`` while layer ``i + 1`` computes. Call it right after
+        ``add_request``, before the request's first step (in the same
+        engine-thread call); the sink is dropped when the request finishes
+        or is aborted. The blocks stay the request's to read only while it
+        runs or holds them (``hold_blocks``); a sink that reads them later
+        must finish before ``release``. KeyError if the request is unknown."""
+        if request_id not in self.scheduler.requests:
+            raise KeyError(request_id)
+        self.layer_streams.add(request_id, sink)
+
     def kv_progress(self, request_id: str) -> KVProgress | None:
         """How far the KV of a request that runs here has got: its block
         ids, how many of them are fully computed, and whether it finished.
@@ -184,6 +201,7 @@ class LLMEngine:
         request = self.scheduler.requests.get(request_id)
         if request is None:
             return
+        self.layer_streams.drop(request_id)
         if request.finished:
             self.scheduler.release_held(request_id)
         else:
@@ -199,6 +217,7 @@ class LLMEngine:
             request_ids = [request_ids]
         outs = []
         for request_id in request_ids:
+            self.layer_streams.drop(request_id)
             for seq in self.output_processor.sequences(request_id):
                 self.scheduler.finish(seq.request_id, RequestStatus.FINISHED_ABORTED)
             out = self.output_processor.abort(request_id)
@@ -309,10 +328,12 @@ class LLMEngine:
         """Schedule, run the model, sample, and return the outputs of the
         requests that got a token or finished."""
         sched = self.scheduler.schedule()
+        self.layer_streams.scheduled(sched)
         if not sched:
             self._forget_if_idle(sched)
             return []
-        result = self.runner.execute(sched)
+        with self.layer_streams.step(sched, self.runner.model):
+            result = self.runner.execute(sched)
         self.num_steps += 1
         outputs = self._process(self.scheduler.update(sched, result))
         if not self.scheduler.has_unfinished():
@@ -353,20 +374,6 @@ class LLMEngine:
         self.kv.attach_host_tier(HostKVTier(slots, block_bytes, store.copy_out, store.copy_in))
         logger.info("host KV tier: %d blocks (%.2f GiB)", slots, slots * block_bytes / 2**30)
 
-    def _check_quantization(self) -> None:
-        asked = self.config.quantization
-        found = self.model_config.quantization
-        if asked == "fp8" and found is None:  # quantize the float checkpoint at load
-            self.model_config = dataclasses.replace(self.model_config,
-                                                    quantization=CompressedConfig.online_fp8())
-            return
-        if asked == "fp8" and getattr(found, "weight_type", None) == "float":
-            return  # an FP8 compressed-tensors checkpoint is what fp8 asks for
-        if asked is not None and (found is None or found.method != asked):
-            have = f"{found.method}-quantized" if found else "not quantized"
-            raise ValueError(f"quantization={asked!r} was asked for, but {self.model_dir} is "
-                             f"{have}")
-
     def _eos_token_ids(self) -> tuple[int, ...]:
         ids = set(self.model_config.eos_token_ids)
         gen = self.model_dir / "generation_config.json"
@@ -376,12 +383,3 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return tuple(sorted(ids))
-
-    def _max_model_len(self) -> int:
-        model_max = self.model_config.max_model_len
-        asked = self.config.scheduler.max_model_len
-        if asked is None:
-            return model_max
-        if asked > model_max:
-            raise ValueError(f"max_model_len {asked} exceeds the model's limit of {model_max}")
-        return asked

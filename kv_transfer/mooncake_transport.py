@@ -1,138 +1,53 @@
 """KV over the Mooncake Transfer Engine: one-sided writes into the decode
-worker's reserved blocks.
+worker's reserved blocks (kv_transfer/mooncake_endpoint.py has the engine
+and the address arithmetic).
 
-Each worker registers its whole KV cache with a transfer engine once, at
-start (``MooncakeEndpoint``). A decode worker's ticket then carries its
-engine's address and the base address of every layer's K and V tensor
-(``MooncakeTarget``); with the ticket's block ids that is the address of
-every reserved block. The prefill worker writes its blocks there itself,
-straight from its own cache to the peer's (a batch of (source, destination,
-length) segments, consecutive blocks merged; no copy through Python and no
-serialization), between the two halves of a ``WriteKV`` stream on the
-existing gRPC path: "begin" makes the decode worker mark the reservation as
-being written (an abort then waits for the writer), "done" carries the
-completion count (bytes and blocks) it checks before the request may start.
+The prefill worker writes its blocks into the ticket's blocks itself,
+straight from its own cache to the peer's (batches of (source, destination,
+length) segments; no copy through Python and no serialization), between the
+two halves of a ``WriteKV`` stream on the existing gRPC path: "begin" makes
+the decode worker mark the reservation as being written (an abort then
+waits for the writer), "done" carries the completion count (bytes, blocks,
+and per layer the blocks that landed) it checks before the request may
+start. Two ways to fill the middle:
 
-Protocol ``tcp`` works anywhere; ``rdma`` needs an RDMA NIC (``device``
-names it, e.g. ``mlx5_0``) and is configuration only, not tested here. The
-engine's traffic is neither encrypted nor authenticated, and any host that
-reaches its port may write into the registered cache: like the torch
+    send          after the prompt computed: one batch of every layer's blocks
+    send_layers   while it computes: "begin" goes out at once, and each
+                  layer's final blocks are written as soon as the layer has
+                  stored them (kv_transfer/mooncake_layers.py), so the writes
+                  overlap the compute of the layers after them
+
+The engine's traffic is neither encrypted nor authenticated, and any host
+that reaches its port may write into the registered cache: like the torch
 transport it is off under TLS unless explicitly allowed.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
 from kv_transfer.base import PREFLIGHT_BYTES, KVSender
 from kv_transfer.layout import KVLayout, TransferStats
+from kv_transfer.mooncake_endpoint import MooncakeEndpoint, Segments
+from kv_transfer.mooncake_layers import LayerWrites
 from rpc.errors import PermissionDenied, Unavailable, peer_error
 from rpc.pool import ChannelPool
 from rpc.protos import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger("kv_transfer")
 
-PROTOCOLS = ("tcp", "rdma")
-# Longer runs are split: the engine moves segments in parallel (on this 2-core
-# loopback 1 MiB pieces moved 64 MiB ~1.8x faster than one 64 MiB segment).
-MAX_SEGMENT_BYTES = 1 << 20
-# Bounds a transfer's WriteKV stream, so a decode worker that hangs (stopped,
-# partitioned) fails the transfer instead of holding the prefill's blocks.
-# NOTE: it must exceed any write's duration: the decode worker stops holding
-# its blocks for the writer when the stream ends.
+# Bounds a transfer's WriteKV stream past the reservation's lease, so a
+# decode worker that hangs (stopped, partitioned) fails the transfer instead
+# of holding the prefill's blocks. NOTE: it must exceed any write's
+# duration: the decode worker stops holding its blocks for the writer when
+# the stream ends.
 TRANSFER_TIMEOUT_S = 120.0
 # Most repeats of a transfer's segments a preflight writes to reach PREFLIGHT_BYTES.
 MAX_PREFLIGHT_REPEATS = 64
-
-
-class TransportUnavailable(RuntimeError):
-    """A transport could not start on this worker (missing library, no NIC,
-    a cache it cannot register): the worker falls back to the next one."""
-
-
-class MooncakeEndpoint:
-    """This worker's transfer engine, with its KV cache registered."""
-
-    def __init__(self, io, host: str, protocol: str = "tcp", device: str = "") -> None:
-        if protocol not in PROTOCOLS:
-            raise TransportUnavailable(f"mooncake protocol must be one of {PROTOCOLS}, "
-                                       f"got {protocol!r}")
-        regions_of = getattr(io, "memory_regions", None)
-        if regions_of is None:  # a tensor-parallel cache spans processes
-            raise TransportUnavailable("the mooncake transport needs the KV cache in this "
-                                       "process (no tensor parallelism)")
-        try:
-            from mooncake.engine import TransferEngine
-        except (ImportError, OSError) as exc:  # OSError: libibverbs/librdmacm missing
-            raise TransportUnavailable(f"cannot load the mooncake transfer engine: {exc}") \
-                from None
-        self.regions, self.block_bytes = regions_of()
-        self.engine = TransferEngine()
-        if self.engine.initialize(host, "P2PHANDSHAKE", protocol, device) != 0:
-            raise TransportUnavailable(f"the mooncake transfer engine did not start "
-                                       f"({protocol} on {host}{' ' + device if device else ''})")
-        if protocol == "rdma" and not _rdma_nics(self.engine.get_local_topology()):
-            # NOTE: the engine itself would quietly carry on over TCP.
-            raise TransportUnavailable("protocol rdma, but the mooncake transfer engine found "
-                                       "no RDMA NIC")
-        if self.engine.batch_register_memory([a for a, _ in self.regions],
-                                             [n for _, n in self.regions]) != 0:
-            raise TransportUnavailable("the mooncake transfer engine refused to register "
-                                       "the KV cache")
-        self.protocol = protocol
-        self.rpc_address = f"{host}:{self.engine.get_rpc_port()}"
-        # Blocking writes run here, one at a time: the engine batches internally.
-        self.thread = ThreadPoolExecutor(1, thread_name_prefix="mooncake")
-        logger.info("mooncake transfer engine (%s) at %s: %d KV regions registered", protocol,
-                    self.rpc_address, len(self.regions))
-
-    def target(self) -> worker_pb2.MooncakeTarget:
-        return worker_pb2.MooncakeTarget(rpc_address=self.rpc_address,
-                                         region_addrs=[a for a, _ in self.regions],
-                                         block_bytes=self.block_bytes)
-
-    def segments(self, target: worker_pb2.MooncakeTarget, src_block_ids: list[int],
-                 dst_block_ids: list[int]) -> tuple[list[int], list[int], list[int]]:
-        """(sources, destinations, lengths) moving every layer's K and V of
-        ``src_block_ids`` here to ``dst_block_ids`` there; runs of blocks
-        consecutive on both sides are one segment, up to MAX_SEGMENT_BYTES."""
-        if len(target.region_addrs) != len(self.regions):
-            raise ValueError(f"the decode worker registered {len(target.region_addrs)} KV "
-                             f"regions, this worker {len(self.regions)}")
-        if target.block_bytes != self.block_bytes:
-            raise ValueError(f"the decode worker's blocks are {target.block_bytes} bytes per "
-                             f"region, this worker's {self.block_bytes}")
-        runs: list[tuple[int, int, int]] = []  # (first source, first destination, count)
-        for s, d in zip(src_block_ids, dst_block_ids):
-            if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
-                runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-            else:
-                runs.append((s, d, 1))
-        bb = self.block_bytes
-        most = max(1, MAX_SEGMENT_BYTES // bb)
-        runs = [(s + i, d + i, min(most, n - i)) for s, d, n in runs for i in range(0, n, most)]
-        src, dst, lengths = [], [], []
-        for (base, _), remote in zip(self.regions, target.region_addrs):
-            for s, d, n in runs:
-                src.append(base + s * bb)
-                dst.append(remote + d * bb)
-                lengths.append(n * bb)
-        return src, dst, lengths
-
-    def write(self, peer: str, src: list[int], dst: list[int], lengths: list[int]) -> None:
-        """Blocking; raises if any segment failed."""
-        if self.engine.batch_transfer_sync_write(peer, src, dst, lengths) != 0:
-            raise Unavailable(f"mooncake write of {sum(lengths)} bytes to {peer} failed")
-
-    def close(self) -> None:
-        self.thread.shutdown(wait=True)
-        self.engine.batch_unregister_memory([a for a, _ in self.regions])
 
 
 class MooncakeSender(KVSender):
@@ -146,35 +61,93 @@ class MooncakeSender(KVSender):
         self.channels = channels
         self.worker_id = worker_id
 
-    async def send(self, request_id, ticket, src_block_ids) -> TransferStats:
+    def _check(self, ticket: worker_pb2.Ticket, num_src_blocks: int | None) -> None:
         if not ticket.HasField("mooncake"):
             raise Unavailable(f"decode worker {ticket.decode_worker_id} does not run the "
                               "mooncake transport")
-        if len(src_block_ids) != len(ticket.block_ids):
-            raise ValueError(f"{len(src_block_ids)} source blocks for a ticket of "
+        if num_src_blocks is not None and num_src_blocks != len(ticket.block_ids):
+            raise ValueError(f"{num_src_blocks} source blocks for a ticket of "
                              f"{len(ticket.block_ids)}")
         # The peer policy checked decode_address; the engine must be on that host.
-        target = ticket.mooncake
-        if _host(target.rpc_address) != _host(ticket.decode_address):
-            raise PermissionDenied(f"mooncake endpoint {target.rpc_address} is not on the host "
-                                   f"of decode worker {ticket.decode_address}")
-        segments = self.endpoint.segments(target, src_block_ids, list(ticket.block_ids))
-        transfer = asyncio.ensure_future(self._transfer(request_id, ticket, segments))
+        if _host(ticket.mooncake.rpc_address) != _host(ticket.decode_address):
+            raise PermissionDenied(f"mooncake endpoint {ticket.mooncake.rpc_address} is not "
+                                   f"on the host of decode worker {ticket.decode_address}")
+
+    # ---- one batch, after the compute ----------------------------------------------------
+
+    async def send(self, request_id, ticket, src_block_ids) -> TransferStats:
+        self._check(ticket, len(src_block_ids))
+        segments = self.endpoint.segments(ticket.mooncake, src_block_ids,
+                                          list(ticket.block_ids))
+
+        async def write() -> dict:
+            await self._run(self.endpoint.write, ticket.mooncake.rpc_address, *segments)
+            return {"bytes_written": sum(segments[2]), "num_blocks": len(ticket.block_ids)}
+
+        # NOTE: a cancelled send lets its transfer end by itself: the write in
+        # flight cannot be interrupted, and the caller frees the source blocks
+        # when this returns.
+        transfer = asyncio.ensure_future(self._transfer(request_id, ticket, segments, write))
         try:
             return await asyncio.shield(transfer)
         except asyncio.CancelledError:
-            # NOTE: the caller frees the source blocks when this returns: a
-            # write in flight must end first (it cannot be interrupted).
             await asyncio.wait([transfer])
             raise
 
+    # ---- layer by layer, during the compute ----------------------------------------------
+
+    def layer_writes(self, ticket: worker_pb2.Ticket, span=None) -> LayerWrites:
+        """The engine sink of a transfer by layer (``send_layers``)."""
+        self._check(ticket, None)
+        return LayerWrites(self.endpoint, ticket.mooncake, list(ticket.block_ids),
+                           self.layout.num_layers, span)
+
+    async def send_layers(self, request_id: str, ticket: worker_pb2.Ticket,
+                          writes: LayerWrites, computed: asyncio.Future) -> TransferStats:
+        """Opens the transfer now and lets ``writes`` write once the decode
+        worker accepts; ``computed`` resolves when the prompt is done (every
+        layer write is queued by then), or fails with the compute."""
+
+        async def write() -> dict:
+            writes.start()
+            await computed
+            for future in list(writes.futures):
+                await asyncio.wrap_future(future)
+            if not writes.complete:
+                raise RuntimeError(f"layer writes of {request_id!r} missed blocks: landed "
+                                   f"{writes.landed}, {len(writes.dst)} each")
+            nbytes = len(writes.dst) * self.layout.block_bytes_per_layer * writes.num_layers
+            return {"bytes_written": nbytes, "num_blocks": len(writes.dst),
+                    "layer_blocks": writes.landed}
+
+        async def stop() -> None:
+            writes.close()
+            if writes.futures:
+                await asyncio.wait([asyncio.wrap_future(f) for f in writes.futures])
+
+        # NOTE: cancelled, the transfer stops queueing writes and waits for
+        # those queued before it closes the stream (_transfer's stop).
+        transfer = asyncio.ensure_future(self._transfer(request_id, ticket, None, write, stop))
+        try:
+            stats = await asyncio.shield(transfer)
+        except asyncio.CancelledError:
+            transfer.cancel()
+            await asyncio.wait([transfer])
+            raise
+        stats.extra["bytes_moved"] = writes.bytes_moved
+        return stats
+
+    # ---- the WriteKV control stream --------------------------------------------------------
+
     async def _transfer(self, request_id: str, ticket: worker_pb2.Ticket,
-                        segments: tuple[list[int], list[int], list[int]]) -> TransferStats:
+                        segments: Segments | None, write, stop=None) -> TransferStats:
+        """The stream around ``write()`` (which returns the done message's
+        fields). On any failure ``stop()`` runs before the stream closes:
+        the decode worker stops holding its blocks for us once it has."""
         peer = f"decode worker {ticket.decode_worker_id}"
         stub = worker_pb2_grpc.WorkerStub(self.channels.get(ticket.decode_address))
-        nbytes = sum(segments[2])
         start = time.perf_counter()
-        call = stub.WriteKV(timeout=TRANSFER_TIMEOUT_S)
+        call = stub.WriteKV(timeout=_stream_timeout(ticket))
         try:
             await call.write(worker_pb2.WriteKVMessage(begin=worker_pb2.WriteKVBegin(
                 request_id=request_id, prefill_worker_id=self.worker_id,
@@ -185,27 +158,34 @@ class MooncakeSender(KVSender):
                 raise Unavailable(f"{peer} did not accept the mooncake write")
             # The blocks are ours to write until "done": measure first contact here.
             await self._first_contact(ticket, segments)
-            await self._run(self.endpoint.write, ticket.mooncake.rpc_address, *segments)
-            await call.write(worker_pb2.WriteKVMessage(done=worker_pb2.WriteKVDone(
-                bytes_written=nbytes, num_blocks=len(ticket.block_ids))))
+            done = await write()
+            await call.write(worker_pb2.WriteKVMessage(done=worker_pb2.WriteKVDone(**done)))
             await call.done_writing()
             reply = await call.read()
             if reply is grpc.aio.EOF:
                 raise Unavailable(f"{peer} ended the mooncake transfer without an answer")
-        except grpc.aio.AioRpcError as err:
-            raise peer_error(err, peer) from None
-        except BaseException:
+        except BaseException as exc:
+            if stop is not None:
+                await asyncio.shield(stop())
             call.cancel()
+            if isinstance(exc, grpc.aio.AioRpcError):
+                raise peer_error(exc, peer) from None
             raise
-        return TransferStats("mooncake", reply.bytes_received, time.perf_counter() - start)
+        return TransferStats("mooncake", reply.bytes_received, time.perf_counter() - start,
+                             {"segments": len(segments[2]) if segments else 0})
 
     async def _first_contact(self, ticket: worker_pb2.Ticket,
-                             segments: tuple[list[int], list[int], list[int]]) -> None:
-        """The preflight writes this transfer's segments (into its own
-        reserved blocks, so nothing else is touched) until PREFLIGHT_BYTES."""
+                             segments: Segments | None) -> None:
+        """The preflight writes into this transfer's own reserved blocks (so
+        nothing else is touched) until PREFLIGHT_BYTES: the transfer's
+        segments, or, before its blocks are computed, the reserved blocks
+        from the start of this worker's cache."""
         peer = ticket.decode_worker_id
         if peer in self.bandwidth:
             return
+        if segments is None:
+            ids = list(ticket.block_ids)
+            segments = self.endpoint.segments(ticket.mooncake, list(range(len(ids))), ids)
         src, dst, lengths = segments
         repeats = max(1, min(MAX_PREFLIGHT_REPEATS, -(-PREFLIGHT_BYTES // sum(lengths))))
         start = time.perf_counter()
@@ -222,13 +202,11 @@ class MooncakeSender(KVSender):
         return await asyncio.get_running_loop().run_in_executor(self.endpoint.thread, fn, *args)
 
 
-def _rdma_nics(topology: str) -> set[str]:
-    """NIC names in the engine's topology JSON ({location: [preferred, available]})."""
-    try:
-        entries = json.loads(topology)
-    except ValueError:
-        return set()
-    return {nic for lists in entries.values() for names in lists for nic in names}
+def _stream_timeout(ticket: worker_pb2.Ticket) -> float:
+    """The reservation's remaining lease (a layer-by-layer transfer is open
+    while the prompt computes) plus TRANSFER_TIMEOUT_S."""
+    left = ticket.lease_expiry_unix_ms / 1000 - time.time() if ticket.lease_expiry_unix_ms else 0
+    return max(left, 0.0) + TRANSFER_TIMEOUT_S
 
 
 def _host(address: str) -> str:

@@ -209,6 +209,10 @@ class KVReceiver:
             if done.done.num_blocks != len(r.block_ids):
                 raise ValueError(f"{done.done.num_blocks} blocks written, "
                                  f"{len(r.block_ids)} reserved")
+            layers = list(done.done.layer_blocks)
+            if layers and layers != [len(r.block_ids)] * self.layout.num_layers:
+                raise ValueError(f"written by layer: {layers} blocks; {len(r.block_ids)} in "
+                                 f"each of {self.layout.num_layers} layers expected")
             r.bytes_received = done.done.bytes_written
             received = self._finish(b.request_id, r, "mooncake", start)  # checks the count
             finished = True

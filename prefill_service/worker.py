@@ -48,6 +48,7 @@ class PrefillWorker(WorkerBase):
             self.senders["mooncake"] = MooncakeSender(self.kv_transports.mooncake, self.layout,
                                                       self.channels, worker_id)
         self.default_transport = self.kv_transports.default
+        self.layer_writes = self.kv_transports.config.mooncake_layer_writes
         for sender in self.senders.values():
             sender.on_preflight.append(
                 lambda transport, peer, rate: self.metrics.peer_bandwidth.labels(
@@ -116,22 +117,38 @@ class PrefillWorker(WorkerBase):
             # would free the blocks of the other request that holds this id.
             raise ValueError(f"request id {request_id!r} is already in use")
 
+        layers = None  # writes by layer: (the engine's sink, resolved when the prompt is done)
+
         def add(engine: LLMEngine) -> None:
             # Its blocks are held until the decode worker has the KV.
             engine.add_request(request_id, tokens, first_params, hold_blocks=True)
+            if layers is not None:
+                engine.stream_layers(request_id, layers[0])
 
         self.inflight.add(request_id)
         computed = False
         transfer: asyncio.Future | None = None
         watch = None
         try:
-            if sender.streams_during_compute:
+            if isinstance(sender, MooncakeSender) and self.layer_writes:
+                # Each layer's KV is written while the layers after it compute.
+                done = asyncio.get_running_loop().create_future()
+
+                def by_layer(span):
+                    nonlocal layers
+                    writes = sender.layer_writes(ticket, span)
+                    layers = (writes, done)
+                    return sender.send_layers(request_id, ticket, writes, done)
+
+                send_span, transfer = self._start_send(sender, ticket, by_layer)
+                self.transfers[request_id] = transfer
+            elif sender.streams_during_compute:
                 # Blocks travel as chunks of the prompt finish computing.
                 progress = PrefillProgress(len(ticket.block_ids), self._reader(request_id))
                 watch = _watcher(self.engine, request_id, progress)
                 self.aengine.step_hooks.append(watch)
                 send_span, transfer = self._start_send(
-                    sender, ticket, sender.send_progressive(request_id, ticket, progress))
+                    sender, ticket, lambda _: sender.send_progressive(request_id, ticket, progress))
                 self.transfers[request_id] = transfer
             final, text = None, ""
             with _tracer.start_as_current_span("prefill.compute") as span:
@@ -152,8 +169,10 @@ class PrefillWorker(WorkerBase):
             if transfer is None:
                 held = await self.aengine.run(lambda e: e.kv_progress(request_id))
                 send_span, transfer = self._start_send(
-                    sender, ticket, sender.send(request_id, ticket, held.block_ids))
+                    sender, ticket, lambda _: sender.send(request_id, ticket, held.block_ids))
                 self.transfers[request_id] = transfer
+            elif layers is not None:
+                layers[1].set_result(None)  # every layer write is queued
             else:
                 progress.complete()
             try:
@@ -219,13 +238,19 @@ class PrefillWorker(WorkerBase):
         detok.add(token)
         return detok.take(final=False)
 
-    def _start_send(self, sender: KVSender, ticket: worker_pb2.Ticket, coro):
-        """The transfer task, under a span of its own: the task copies the
-        current context, so its calls to the decode worker carry the span."""
+    def _start_send(self, sender: KVSender, ticket: worker_pb2.Ticket, start):
+        """The transfer task ``start(span)``, under a span of its own: the
+        task copies the current context, so its calls to the decode worker
+        carry the span."""
         span = _tracer.start_span("kv_transfer.send", attributes={
             "transport": sender.name, "peer": ticket.decode_worker_id,
-            "blocks": len(ticket.block_ids),
+            "blocks": len(ticket.block_ids), "request_id": ticket.request_id,
         })
+        try:
+            coro = start(span)
+        except BaseException as exc:
+            end_span(span, exc)
+            raise
         with current(span):
             return span, asyncio.ensure_future(coro)
 

@@ -1,6 +1,6 @@
-"""BlockPool, FreeBlockQueue and KVCacheManager on the CPU, asserting exact
-block ids: allocation and free order, LRU eviction of cached prefixes, ref
-counts, chained prefix hashes."""
+"""BlockPool, FreeBlockQueue and KVCacheManager on the CPU,
+asserting exact block ids: allocation and free order, runs of consecutive
+blocks, LRU eviction of cached prefixes, ref counts, chained prefix hashes."""
 
 from __future__ import annotations
 
@@ -77,14 +77,14 @@ def test_free_queue_remove_is_constant_time():
 # ---- BlockPool ------------------------------------------------------------------
 
 
-def test_pool_allocates_from_head_and_frees_to_tail():
+def test_pool_hands_out_uncached_blocks_by_address():
     pool = BlockPool(5)
     a = pool.allocate(2)
     assert [b.block_id for b in a] == [0, 1] and [b.ref_cnt for b in a] == [1, 1]
-    assert pool.free_queue.block_ids() == [2, 3, 4] and pool.num_free_blocks == 3
+    assert pool.free_block_ids() == ([2, 3, 4], []) and pool.num_free_blocks == 3
     pool.free(list(reversed(a)))
-    assert pool.free_queue.block_ids() == [2, 3, 4, 1, 0]
-    assert [b.block_id for b in pool.allocate(4)] == [2, 3, 4, 1]
+    assert pool.free_block_ids() == ([0, 1, 2, 3, 4], [])  # one run again
+    assert [b.block_id for b in pool.allocate(4)] == [0, 1, 2, 3]
     assert pool.usage == pytest.approx(0.8)
     with pytest.raises(ValueError):
         pool.allocate(2)
@@ -96,10 +96,10 @@ def test_pool_evicts_cached_blocks_in_lru_order():
     for b, h in zip(blocks, (10, 11, 12, 13)):
         cache(pool, b, h)
     pool.free([blocks[3], blocks[1], blocks[0], blocks[2]])  # free order = eviction order
-    assert pool.free_queue.block_ids() == [3, 1, 0, 2]
+    assert pool.free_block_ids() == ([], [3, 1, 0, 2])
     assert all(pool.lookup(digest(h)) is not None for h in (10, 11, 12, 13))
     got = pool.allocate(2)
-    assert [b.block_id for b in got] == [3, 1]
+    assert [b.block_id for b in got] == [1, 3]  # the first two to evict, by id
     assert pool.lookup(digest(13)) is None and pool.lookup(digest(11)) is None  # evicted
     assert pool.lookup(digest(10)) is blocks[0] and pool.lookup(digest(12)) is blocks[2]
     assert got[0].block_hash is None
@@ -110,16 +110,16 @@ def test_pool_touch_revives_a_free_cached_block_and_counts_refs():
     b0, b1, _ = pool.allocate(3)
     cache(pool, b1, 7)
     pool.free([b1, b0])
-    assert pool.free_queue.block_ids() == [1, 0]
+    assert pool.free_block_ids() == ([0], [1])
     hit = pool.lookup(digest(7))
-    pool.touch([hit])  # out of the middle of the free queue
-    assert hit is b1 and b1.ref_cnt == 1 and pool.free_queue.block_ids() == [0]
+    pool.touch([hit])  # out of the free queue
+    assert hit is b1 and b1.ref_cnt == 1 and pool.free_block_ids() == ([0], [])
     pool.touch([b1])
     assert b1.ref_cnt == 2
     pool.free([b1])
-    assert b1.ref_cnt == 1 and pool.free_queue.block_ids() == [0]
+    assert b1.ref_cnt == 1 and pool.free_block_ids() == ([0], [])
     pool.free([b1])
-    assert pool.free_queue.block_ids() == [0, 1] and pool.lookup(digest(7)) is b1
+    assert pool.free_block_ids() == ([0], [1]) and pool.lookup(digest(7)) is b1
 
 
 def test_pool_keeps_the_first_of_two_identical_blocks():
@@ -195,10 +195,10 @@ def test_prefix_hit_shares_blocks_and_counts_refs():
     assert ref_counts(kv, [0, 1, 2, 3]) == [2, 2, 1, 1]
     kv.free(a)
     assert ref_counts(kv, [0, 1, 2]) == [1, 1, 0] and kv.block_ids(a.request_id) == []
-    assert kv.pool.free_queue.block_ids() == [4, 5, 6, 7, 2]
+    assert kv.pool.free_block_ids() == ([2, 4, 5, 6, 7], [])
     kv.free(b)
     # Tail first: the end of a prefix is evicted before its start.
-    assert kv.pool.free_queue.block_ids() == [4, 5, 6, 7, 2, 3, 1, 0]
+    assert kv.pool.free_block_ids() == ([2, 3, 4, 5, 6, 7], [1, 0])
     kv.free(b)  # twice is harmless
     assert kv.num_free_blocks == 8
 
@@ -237,10 +237,10 @@ def test_freed_prefix_survives_until_its_blocks_are_reused():
     a = req("a", toks(100, 10))
     kv.allocate_slots(a, 10)  # blocks 0, 1 (cached), 2
     kv.free(a)
-    assert kv.pool.free_queue.block_ids() == [3, 4, 2, 1, 0]
+    assert kv.pool.free_block_ids() == ([2, 3, 4], [1, 0])
     d = req("d", toks(300, 16))
     assert kv.allocate_slots(d, 16)
-    assert kv.block_ids(d.request_id) == [3, 4, 2, 1]  # block 1's prefix is evicted, block 0's is not
+    assert kv.block_ids(d.request_id) == [1, 2, 3, 4]  # block 1's prefix is evicted, block 0's is not
     hits, n = kv.get_computed_blocks(req("e", toks(100, 10)))
     assert [h.block_id for h in hits] == [0] and n == 4
 
@@ -252,7 +252,7 @@ def test_cache_switched_off():
     assert all(b.block_hash is None for b in kv.pool.blocks)
     assert kv.get_computed_blocks(req("b", toks(100, 12))) == ([], 0)
     kv.free(a)
-    assert kv.pool.free_queue.block_ids() == [3, 4, 5, 6, 7, 2, 1, 0]
+    assert kv.pool.free_block_ids() == (list(range(8)), [])
 
 
 def test_fork_shares_full_blocks():
@@ -275,7 +275,7 @@ def test_failed_allocation_changes_nothing():
     a = req("a", toks(100, 13))
     assert not kv.allocate_slots(a, 13)  # needs 4 blocks
     assert kv.num_free_blocks == 3 and kv.block_ids(a.request_id) == [] and kv.num_held("a") == 0
-    assert kv.pool.free_queue.block_ids() == [0, 1, 2]
+    assert kv.pool.free_block_ids() == ([0, 1, 2], [])
     assert not a.block_hashes or kv.pool.lookup(a.block_hashes[0]) is None
 
 
@@ -284,20 +284,20 @@ def test_failed_allocation_with_cache_hits_takes_no_reference():
     a = req("a", toks(100, 9))
     kv.allocate_slots(a, 9)  # blocks 0, 1 cached, 2
     kv.free(a)
-    assert kv.pool.free_queue.block_ids() == [3, 2, 1, 0]
+    assert kv.pool.free_block_ids() == ([2, 3], [1, 0])
     # Hits on blocks 0 and 1 (free, cached); 9 more tokens need 3 more blocks,
     # but reviving the hits leaves only 2 free.
     b = req("b", toks(100, 8) + toks(500, 9))
     hits, n = kv.get_computed_blocks(b)
     assert [h.block_id for h in hits] == [0, 1] and n == 8
     assert not kv.allocate_slots(b, 9, hits)
-    assert kv.pool.free_queue.block_ids() == [3, 2, 1, 0]
+    assert kv.pool.free_block_ids() == ([2, 3], [1, 0])
     assert ref_counts(kv, [0, 1, 2, 3]) == [0, 0, 0, 0] and kv.block_ids(b.request_id) == []
     # With one token fewer it fits exactly, using the revived blocks.
     c = req("c", toks(100, 8) + toks(500, 8))
     hits, n = kv.get_computed_blocks(c)
     assert kv.allocate_slots(c, 8, hits)
-    assert kv.block_ids(c.request_id) == [0, 1, 3, 2] and kv.num_free_blocks == 0
+    assert kv.block_ids(c.request_id) == [0, 1, 2, 3] and kv.num_free_blocks == 0
 
 
 def test_allocate_without_publishing_then_cache_blocks():

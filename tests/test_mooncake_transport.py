@@ -1,6 +1,7 @@
 """The mooncake KV transport between real worker processes, over the
-transfer engine's TCP protocol on loopback: a gateway on it gives the
-colocated greedy text and leaks no block; a decode worker killed while a
+transfer engine's TCP protocol on loopback (layer by layer, the default):
+a gateway on it gives the colocated greedy text and leaks no block; a
+completion count short by a layer is refused; a decode worker killed while a
 transfer waits on it costs the prefill worker nothing and the gateway
 retries; a transport that cannot start (protocol rdma without an RDMA NIC)
 falls back to grpc, logged and counted.
@@ -13,12 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import signal
 
 import grpc
 import pytest
 from gateway_fixtures import (
-    cluster_fixture,
     info,
     sigkill,
     start_gateway,
@@ -29,21 +30,35 @@ from gateway_fixtures import (
 )
 from worker_fixtures import Gateway, metric, params, scrape, start_worker
 
+from tandem.cluster import LocalCluster
+
 pytest.importorskip("mooncake.engine", reason="the mooncake wheel or its RDMA libraries "
                     "are missing (scripts/install_rdma_libs.sh)")
 
 NUM_BLOCKS = 64
 MOONCAKE = ("--transport", "mooncake,grpc")
+# The prefill worker computes prompts in 16-token chunks: a prompt's KV is
+# written layer by layer over several steps.
+CHUNKED = ("--long-prefill-token-threshold", "16", "--max-num-batched-tokens", "16")
 PROMPTS = ["the quick brown fox", "a" * 150, "tandem " * 30]
 
-cluster = cluster_fixture()
+
+@pytest.fixture(scope="module")
+def trace_file(tmp_path_factory):
+    return tmp_path_factory.mktemp("traces") / "spans.jsonl"
+
+
+@pytest.fixture(scope="module")
+def cluster(trace_file):
+    with LocalCluster(env={"TANDEM_TRACE_FILE": str(trace_file)}) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
 def workers(cluster):
     """A prefill worker and two decode workers on mooncake, and a colocated one."""
-    disagg = start_workers(cluster, ["prefill", "decode", "decode"], NUM_BLOCKS, *MOONCAKE,
-                           metrics=True)
+    disagg = start_workers(cluster, ["prefill"], NUM_BLOCKS, *MOONCAKE, *CHUNKED, metrics=True)
+    disagg += start_workers(cluster, ["decode", "decode"], NUM_BLOCKS, *MOONCAKE, metrics=True)
     both = start_workers(cluster, ["both"], NUM_BLOCKS)
     return disagg + both
 
@@ -73,7 +88,7 @@ def test_segments_move_exactly_the_named_blocks():
     import torch
 
     from engine.kv_blocks import KVBlocks
-    from kv_transfer.mooncake_transport import MooncakeEndpoint
+    from kv_transfer.mooncake_endpoint import MooncakeEndpoint
 
     shape = (12, 4, 2, 8)
     src = KVBlocks([(torch.randn(shape), torch.randn(shape)) for _ in range(3)])
@@ -98,7 +113,7 @@ def test_under_tls_mooncake_is_refused_unless_allowed():
     import torch
 
     from engine.kv_blocks import KVBlocks
-    from kv_transfer.mooncake_transport import TransportUnavailable
+    from kv_transfer.mooncake_endpoint import TransportUnavailable
     from worker.metrics import WorkerMetrics
     from worker.transports import TransportConfig, Transports
 
@@ -142,6 +157,38 @@ def test_mooncake_gives_the_colocated_text_and_frees_every_block(workers, gatewa
                   transport="mooncake") > 0
 
 
+async def test_layer_writes_follow_the_chunks_in_the_trace(workers, trace_file):
+    """A 100-token prompt in 7 chunks: one write per layer per chunk, each
+    one block further and after that layer computed it, all under the
+    transfer's span; the decode worker continues as the colocated one."""
+    prefill, decode, both = workers[0], workers[1], workers[3]
+    prompt, p = list(range(3, 103)), params(max_tokens=6, temperature=0.0, ignore_eos=True)
+    async with Gateway() as gw:
+        out = await gw.disaggregated(prefill, decode, "traced", prompt, p, "mooncake")
+        local = await gw.decode(both, "traced-local", p, prompt=prompt)
+    assert out.token_ids == local.token_ids and len(out.token_ids) == 6
+
+    def named(name: str) -> list[dict]:
+        lines = trace_file.read_text().splitlines() if trace_file.exists() else []
+        return [s for s in map(json.loads, lines) if s["name"] == name]
+
+    def send() -> dict | None:
+        return next((s for s in named("kv_transfer.send")
+                     if s["attributes"]["request_id"] == "traced"), None)
+
+    span = wait_until(send, 20, "the transfer's span")
+    writes = [s for s in named("kv_transfer.layer_write") if s["trace_id"] == span["trace_id"]]
+    computed = [s for s in named("prefill.layer") if s["trace_id"] == span["trace_id"]]
+    assert {s["parent_id"] for s in writes + computed} == {span["span_id"]}
+    for layer in range(2):  # the tiny model's layers
+        mine = sorted((s for s in writes if s["attributes"]["layer"] == layer),
+                      key=lambda s: s["start"])
+        assert [s["attributes"]["blocks_upto"] for s in mine] == list(range(1, 8))
+        done = sorted(s["end"] for s in computed if s["attributes"]["layer"] == layer)
+        assert len(done) == 7 and all(w["start"] >= end for w, end in zip(mine, done))
+    wait_blocks_free(workers[:2])
+
+
 async def test_a_completion_count_that_does_not_match_is_refused(workers):
     """A writer that reports fewer bytes than the reservation holds: the decode
     worker refuses to start the request, and the reservation stays abortable."""
@@ -167,6 +214,34 @@ async def test_a_completion_count_that_does_not_match_is_refused(workers):
             await gw.decode(decode, "short-count", p, first=worker_pb2.PrefillResponse())
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
         await gw.abort(decode, "short-count")
+    wait_blocks_free([decode])
+
+
+async def test_a_layer_that_missed_blocks_is_refused(workers):
+    """Written layer by layer, the done message counts each layer's blocks:
+    one layer short and the decode worker refuses, whatever the byte count."""
+    from kv_transfer.layout import KVLayout
+    from rpc.protos import worker_pb2
+
+    decode = workers[1]
+    prompt, p = list(range(5, 45)), params(max_tokens=4, temperature=0.0)
+    async with Gateway() as gw:
+        ticket = await gw.reserve(decode, "short-layer", prompt, p)
+        layout, n = KVLayout.from_proto(ticket.layout), len(ticket.block_ids)
+        call = gw.stub(decode).WriteKV()
+        await call.write(worker_pb2.WriteKVMessage(begin=worker_pb2.WriteKVBegin(
+            request_id="short-layer", prefill_worker_id="test", layout=ticket.layout,
+            num_blocks=n, attempt=0)))
+        assert (await call.read()).ready
+        await call.write(worker_pb2.WriteKVMessage(done=worker_pb2.WriteKVDone(
+            bytes_written=n * layout.block_bytes_per_layer * layout.num_layers, num_blocks=n,
+            layer_blocks=[n] * (layout.num_layers - 1) + [n - 1])))
+        await call.done_writing()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await call.read()
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "by layer" in err.value.details()
+        await gw.abort(decode, "short-layer")
     wait_blocks_free([decode])
 
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from engine.cli_args import add_engine_args, config_from_args
 from engine.llm_engine import LLMEngine
-from kv_transfer.mooncake_transport import PROTOCOLS
+from kv_transfer.mooncake_endpoint import PROTOCOLS
 from rpc.logs import setup_logging
 from rpc.parent_death import die_with_parent
 from rpc.protos import worker_pb2, worker_pb2_grpc
@@ -23,6 +23,7 @@ from rpc.tls import add_tls_arguments, tls_from_args
 from rpc.tracing import setup_tracing
 from worker.base import WorkerBase
 from worker.cpu_cores import format_cores, pin_to_cores
+from worker.node import serve_node
 from worker.peers import PeerPolicy
 from worker.registry import Registration
 from worker.servicer import WorkerServicer
@@ -61,6 +62,10 @@ def parser(description: str, roles: list[str]) -> argparse.ArgumentParser:
                    help="the mooncake transport's protocol: tcp anywhere, rdma with an RDMA NIC")
     g.add_argument("--mooncake-device", default="",
                    help="RDMA NIC(s) for --mooncake-protocol rdma, e.g. mlx5_0 (default: any)")
+    g.add_argument("--mooncake-layer-writes", default=True, action=argparse.BooleanOptionalAction,
+                   help="a prefill worker writes each layer's KV over mooncake as soon as the "
+                        "layer computed it, overlapping the later layers' compute (default); "
+                        "--no-mooncake-layer-writes: one write after the whole prompt")
     g.add_argument("--log-format", default="plain", choices=["plain", "json"])
     g.add_argument("--cpu-cores", default=None, metavar="LIST",
                    help="compute only on these cores, e.g. 0-3 (one torch thread each); "
@@ -81,17 +86,24 @@ def run(make_worker: WorkerFactory, description: str, roles: list[str],
     die_with_parent()
     p = parser(description, roles)
     args = p.parse_args(argv)
-    try:  # bad TLS files or peers end the start-up here, before the model loads
+    try:  # bad flags, TLS files or peers end the start-up here, before the model loads
+        config = config_from_args(args)
         args.tls = tls_from_args(args)
         args.peers = PeerPolicy(args.peer, args.state_url)
         args.transports = TransportConfig.parse(
             args.transport, host=args.advertise_host or args.host,
-            mooncake_protocol=args.mooncake_protocol, mooncake_device=args.mooncake_device)
+            mooncake_protocol=args.mooncake_protocol, mooncake_device=args.mooncake_device,
+            mooncake_layer_writes=args.mooncake_layer_writes)
     except ValueError as exc:
         p.error(str(exc))
     if args.tls.enabled and not args.tls.mutual:
         p.error("a worker's TLS is mTLS: give --tls-ca-file too (peers are checked against it)")
+    if config.nnodes > 1 and args.tls.enabled and not args.tls.allow_torch_transport:
+        p.error("--nnodes > 1 under TLS: the ranks' traffic between nodes is neither encrypted "
+                "nor authenticated; add --tls-allow-torch-transport on a trusted network")
     setup_logging(args.log_format)
+    if config.node_rank > 0:  # another node's ranks of the leader's group: no API of its own
+        raise SystemExit(asyncio.run(serve_node(args, config)))
     setup_tracing(f"tandem-{args.role}")
     asyncio.run(serve(make_worker, args))
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from kv_transfer.mooncake_transport import PROTOCOLS, MooncakeEndpoint, TransportUnavailable
+from kv_transfer.mooncake_endpoint import PROTOCOLS, MooncakeEndpoint, TransportUnavailable
 
 logger = logging.getLogger("worker")
 
@@ -32,6 +32,8 @@ class TransportConfig:
     host: str = "127.0.0.1"  # where peers reach this worker's transfer engine
     mooncake_protocol: str = "tcp"
     mooncake_device: str = ""  # RDMA NIC name(s) for protocol rdma, e.g. "mlx5_0"
+    # A prefill worker writes each layer's KV while later layers compute.
+    mooncake_layer_writes: bool = True
 
     def __post_init__(self) -> None:
         if not self.order:

@@ -6,7 +6,7 @@ where each token's keys and values live is in the attention metadata.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -114,6 +114,9 @@ class LlamaForCausalLM(nn.Module):
         )
         # A tied head multiplies by the embedding table: its own packed copy.
         self.head_packed = PackedWeight() if self.lm_head is None else self.lm_head.packed
+        # Called with each layer's index once it stored its KV, during steps
+        # that stream a prompt's KV by layer (engine/layer_streams.py sets it).
+        self.on_layer_done: Callable[[int], None] | None = None
 
     def forward(
         self,
@@ -123,14 +126,16 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden]
         x, residual = self.embed_tokens(input_ids), None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             x, residual = layer(x, residual, positions, kv_cache, meta)
+            if self.on_layer_done is not None:
+                self.on_layer_done(i)
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Float32 logits of ``hidden``'s rows on rank 0; every rank calls it
-        with the same rows (with tensor parallelism each scores its slice of
-        the vocabulary), the others get None."""
+        """Logits of ``hidden``'s rows on rank 0 (their dtype: ``vocab_logits``);
+        every rank calls it with the same rows (with tensor parallelism each
+        scores its slice of the vocabulary), the others get None."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return vocab_logits(hidden, weight, self.tp, self.head_packed)
 
@@ -159,7 +164,10 @@ class LlamaForCausalLM(nn.Module):
                     target = ".".join(parts[:i] + [our] + parts[i + 1 :])
             owner, _, leaf = target.rpartition(".")
             if hasattr(modules.get(owner), "checkpoint_tensor"):
-                leaf, tensor = modules[owner].checkpoint_tensor(leaf, tensor)
+                converted = modules[owner].checkpoint_tensor(leaf, tensor)
+                if converted is None:  # only checked (compressed-tensors' weight_shape)
+                    continue
+                leaf, tensor = converted
                 target = f"{owner}.{leaf}"
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} matches no parameter of the model")

@@ -1,0 +1,141 @@
+"""This worker's Mooncake transfer engine, with its KV cache registered, and
+the batch writes that move blocks into a peer's registered cache.
+
+Each worker registers its whole KV cache with a transfer engine once, at
+start. A decode worker's ticket carries its engine's address and the base
+address of every layer's K and V tensor (``MooncakeTarget``); with the
+ticket's block ids that is the address of every reserved block. A block
+``b`` of region ``r`` (layer ``r // 2``, K or V) starts at ``base_r + b *
+block_bytes``, so a run of consecutive blocks is one contiguous range per
+region: one segment, however many blocks it holds (the block pool hands out
+such runs, engine/free_runs.py).
+
+Protocol ``tcp`` works anywhere; ``rdma`` needs an RDMA NIC (``device``
+names it, e.g. ``mlx5_0``) and is configuration only, not tested here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+from rpc.errors import Unavailable
+from rpc.protos import worker_pb2
+
+logger = logging.getLogger("kv_transfer")
+
+PROTOCOLS = ("tcp", "rdma")
+# Longer runs are split: the engine moves segments in parallel (on this 2-core
+# loopback 1 MiB pieces moved 64 MiB ~1.8x faster than one 64 MiB segment).
+MAX_SEGMENT_BYTES = 1 << 20
+
+Segments = tuple[list[int], list[int], list[int]]  # (sources, destinations, lengths)
+
+
+class TransportUnavailable(RuntimeError):
+    """A transport could not start on this worker (missing library, no NIC,
+    a cache it cannot register): the worker falls back to the next one."""
+
+
+class MooncakeEndpoint:
+    """This worker's transfer engine, with its KV cache registered."""
+
+    def __init__(self, io, host: str, protocol: str = "tcp", device: str = "") -> None:
+        if protocol not in PROTOCOLS:
+            raise TransportUnavailable(f"mooncake protocol must be one of {PROTOCOLS}, "
+                                       f"got {protocol!r}")
+        regions_of = getattr(io, "memory_regions", None)
+        if regions_of is None:  # a tensor-parallel cache spans processes
+            raise TransportUnavailable("the mooncake transport needs the KV cache in this "
+                                       "process (no tensor parallelism)")
+        try:
+            from mooncake.engine import TransferEngine
+        except (ImportError, OSError) as exc:  # OSError: libibverbs/librdmacm missing
+            raise TransportUnavailable(f"cannot load the mooncake transfer engine: {exc}") \
+                from None
+        self.regions, self.block_bytes = regions_of()
+        self.device = io.device
+        self.engine = TransferEngine()
+        if self.engine.initialize(host, "P2PHANDSHAKE", protocol, device) != 0:
+            raise TransportUnavailable(f"the mooncake transfer engine did not start "
+                                       f"({protocol} on {host}{' ' + device if device else ''})")
+        if protocol == "rdma" and not _rdma_nics(self.engine.get_local_topology()):
+            # NOTE: the engine itself would quietly carry on over TCP.
+            raise TransportUnavailable("protocol rdma, but the mooncake transfer engine found "
+                                       "no RDMA NIC")
+        if self.engine.batch_register_memory([a for a, _ in self.regions],
+                                             [n for _, n in self.regions]) != 0:
+            raise TransportUnavailable("the mooncake transfer engine refused to register "
+                                       "the KV cache")
+        self.protocol = protocol
+        self.rpc_address = f"{host}:{self.engine.get_rpc_port()}"
+        # Blocking writes run here, one at a time: the engine batches internally.
+        self.thread = ThreadPoolExecutor(1, thread_name_prefix="mooncake")
+        logger.info("mooncake transfer engine (%s) at %s: %d KV regions registered", protocol,
+                    self.rpc_address, len(self.regions))
+
+    def target(self) -> worker_pb2.MooncakeTarget:
+        return worker_pb2.MooncakeTarget(rpc_address=self.rpc_address,
+                                         region_addrs=[a for a, _ in self.regions],
+                                         block_bytes=self.block_bytes)
+
+    def check_target(self, target: worker_pb2.MooncakeTarget) -> None:
+        """ValueError unless the peer's cache is laid out like this one's."""
+        if len(target.region_addrs) != len(self.regions):
+            raise ValueError(f"the decode worker registered {len(target.region_addrs)} KV "
+                             f"regions, this worker {len(self.regions)}")
+        if target.block_bytes != self.block_bytes:
+            raise ValueError(f"the decode worker's blocks are {target.block_bytes} bytes per "
+                             f"region, this worker's {self.block_bytes}")
+
+    def segments(self, target: worker_pb2.MooncakeTarget, src_block_ids: list[int],
+                 dst_block_ids: list[int], layers: range | None = None) -> Segments:
+        """(sources, destinations, lengths) moving K and V of ``layers``
+        (default: all) of ``src_block_ids`` here to ``dst_block_ids`` there;
+        runs of blocks consecutive on both sides are one segment per region,
+        up to MAX_SEGMENT_BYTES."""
+        self.check_target(target)
+        runs = _runs(src_block_ids, dst_block_ids, max(1, MAX_SEGMENT_BYTES // self.block_bytes))
+        if layers is None:
+            layers = range(len(self.regions) // 2)
+        bb = self.block_bytes
+        src, dst, lengths = [], [], []
+        for r in (2 * layer + kv for layer in layers for kv in (0, 1)):
+            base, remote = self.regions[r][0], target.region_addrs[r]
+            for s, d, n in runs:
+                src.append(base + s * bb)
+                dst.append(remote + d * bb)
+                lengths.append(n * bb)
+        return src, dst, lengths
+
+    def write(self, peer: str, src: list[int], dst: list[int], lengths: list[int]) -> None:
+        """Blocking; raises if any segment failed."""
+        if self.engine.batch_transfer_sync_write(peer, src, dst, lengths) != 0:
+            raise Unavailable(f"mooncake write of {sum(lengths)} bytes to {peer} failed")
+
+    def close(self) -> None:
+        self.thread.shutdown(wait=True)
+        self.engine.batch_unregister_memory([a for a, _ in self.regions])
+
+
+def _rdma_nics(topology: str) -> set[str]:
+    """NIC names in the engine's topology JSON ({location: [preferred, available]})."""
+    try:
+        entries = json.loads(topology)
+    except ValueError:
+        return set()
+    return {nic for lists in entries.values() for names in lists for nic in names}
+
+
+def _runs(src: list[int], dst: list[int], most: int) -> list[tuple[int, int, int]]:
+    """(first source, first destination, count) of each run of block pairs
+    consecutive on both sides, none longer than ``most``."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst):
+        if runs and runs[-1][2] < most and runs[-1][0] + runs[-1][2] == s \
+                and runs[-1][1] + runs[-1][2] == d:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs

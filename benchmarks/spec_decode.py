@@ -12,15 +12,19 @@ Workloads of chat prompts, run with and without ``{"method": "ngram"}``:
              unseeded, ``ignore_eos`` so every request has max_tokens tokens): little
              repeats, lookups fire now and then and their guesses mostly fail
 
-each at batch 1 (requests one after another) and batch 16 (16 requests at once). For each:
-output tokens per second of wall time, mean TPOT (per request: time from its first to its
-last token over its tokens after the first), and with speculation the acceptance rate
-(accepted / proposed tokens) and mean accepted length (tokens a verifying step yields per
-sequence: 1 + accepted / proposals). Also CPU time per output token (the process's CPU time
-over the run): on a shared machine wall-clock numbers move with everyone else's load, the
-CPU time a token costs much less (run with ``--threads 1`` so it is one core's work).
-Each arm runs ``--repeat`` times, alternating with the other; the run with the median CPU
-time per token is reported. The output tokens with and without speculation are checked
+each at batch 1 (requests one after another) and batch 16 (16 requests at once). The two
+engines run in lockstep, one step of each in turn, and each is timed by its own steps only,
+so a change in the machine's load falls on both alike. For each: output tokens per second
+of its steps' wall time, mean TPOT (per request: time from its first to its last token
+over its tokens after the first, on the same clock), and with speculation the acceptance
+rate (accepted / proposed tokens) and mean accepted length (tokens a verifying step yields
+per sequence: 1 + accepted / proposals). Also CPU time per output token (the process's CPU
+time in its steps): on a shared machine wall-clock numbers move with everyone else's load,
+the CPU time a token costs much less (run with ``--threads 1`` so it is one core's work).
+The lockstep run is repeated ``--repeat`` times; the run with the median CPU time per
+token is reported for each arm. At batch 16 it also splits each arm's CPU per token
+between the steps with the whole batch running and those with fewer (the tail, once some
+requests finished). The output tokens with and without speculation are checked
 equal (greedy). The load average is printed: the machine may be shared. After the table,
 the step costs the speculating engine measured (engine/spec_decode/cost.py).
 """
@@ -73,31 +77,77 @@ def chats(kind: str, num: int) -> list[list[dict[str, str]]]:
     return [[{"role": "user", "content": t}] for t in texts]
 
 
-def run(llm: LLM, prompts: list[list[int]], batch: int, params: SamplingParams) -> dict:
-    """Requests ``batch`` at a time; per-request first and last token times."""
-    engine = llm.engine
-    first: dict[str, float] = {}
-    last: dict[str, float] = {}
-    tokens: dict[str, list[int]] = {}
-    t0, c0 = time.perf_counter(), time.process_time()
-    for lo in range(0, len(prompts), batch):
-        for i in range(lo, min(lo + batch, len(prompts))):
-            engine.add_request(str(i), prompts[i], params)
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                now = time.perf_counter()
-                rid = out.request_id
-                if out.outputs[0].token_ids:
-                    first.setdefault(rid, now)
-                    last[rid] = now
-                if out.finished:
-                    tokens[rid] = out.outputs[0].token_ids
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    num_tokens = sum(len(t) for t in tokens.values())
-    tpots = [(last[r] - first[r]) / (len(tokens[r]) - 1) for r in tokens if len(tokens[r]) > 1]
-    return {"wall": wall, "tokens": tokens, "throughput": num_tokens / wall,
-            "cpu_ms_per_token": 1000 * cpu / num_tokens,
-            "tpot_ms": 1000 * sum(tpots) / len(tpots), "num_tokens": num_tokens}
+class Arm:
+    """One engine working through the prompts ``batch`` at a time, timed by its own steps
+    only: ``clock`` and ``cpu`` add up the wall and CPU time of its steps, and token times
+    are read on ``clock``, so arms that step in turn do not count each other's steps."""
+
+    def __init__(self, llm: LLM, prompts: list[list[int]], batch: int, params: SamplingParams):
+        self.engine, self.batch, self.params = llm.engine, batch, params
+        self.queue = list(enumerate(prompts))
+        self.clock = self.cpu = 0.0
+        self.first: dict[str, float] = {}
+        self.last: dict[str, float] = {}
+        self.tokens: dict[str, list[int]] = {}
+        self.stats0 = self.engine.stats().spec_decode
+        # [CPU seconds, tokens] of steps with the whole batch running, and with fewer.
+        self.phases = {"full": [0.0, 0], "short": [0.0, 0]}
+        self._seen: dict[str, int] = {}
+
+    @property
+    def done(self) -> bool:
+        return not self.queue and not self.engine.has_unfinished_requests()
+
+    def step(self) -> None:
+        engine = self.engine
+        if not engine.has_unfinished_requests():
+            for i, prompt in self.queue[: self.batch]:
+                engine.add_request(str(i), prompt, self.params)
+            self.queue = self.queue[self.batch :]
+        stats = engine.stats()
+        phase = self.phases["full" if stats.num_running + stats.num_waiting >= self.batch
+                            else "short"]
+        w, c = time.perf_counter(), time.process_time()
+        outs = engine.step()
+        self.clock += time.perf_counter() - w
+        self.cpu += time.process_time() - c
+        phase[0] += time.process_time() - c
+        for out in outs:
+            rid = out.request_id
+            phase[1] += len(out.outputs[0].token_ids) - self._seen.get(rid, 0)
+            self._seen[rid] = len(out.outputs[0].token_ids)
+            if out.outputs[0].token_ids:
+                self.first.setdefault(rid, self.clock)
+                self.last[rid] = self.clock
+            if out.finished:
+                self.tokens[rid] = out.outputs[0].token_ids
+
+    def result(self) -> dict:
+        num_tokens = sum(len(t) for t in self.tokens.values())
+        tpots = [(self.last[r] - self.first[r]) / (len(t) - 1)
+                 for r, t in self.tokens.items() if len(t) > 1]
+        return {"tokens": self.tokens, "throughput": num_tokens / self.clock,
+                "cpu_ms_per_token": 1000 * self.cpu / num_tokens,
+                "tpot_ms": 1000 * sum(tpots) / len(tpots), "num_tokens": num_tokens,
+                "stats": (self.stats0, self.engine.stats().spec_decode),
+                "phases": {k: 1000 * cpu / n if n else None for k, (cpu, n) in
+                           self.phases.items()},
+                "short_tokens": self.phases["short"][1]}
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def run(llms: dict[str, LLM], prompts: list[list[int]], batch: int,
+        params: SamplingParams) -> dict[str, dict]:
+    """All arms in lockstep: one step of each in turn until every arm is done."""
+    arms = {name: Arm(llm, prompts, batch, params) for name, llm in llms.items()}
+    while not all(a.done for a in arms.values()):
+        for arm in arms.values():
+            if not arm.done:
+                arm.step()
+    return {name: arm.result() for name, arm in arms.items()}
 
 
 def main() -> None:
@@ -108,8 +158,8 @@ def main() -> None:
     ap.add_argument("--batch1-requests", type=int, default=4)
     ap.add_argument("--batch16-requests", type=int, default=16)
     ap.add_argument("--repeat", type=int, default=3,
-                    help="runs of each arm, alternating off/ngram; the run with the median CPU "
-                         "time per token is reported (the machine may be shared)")
+                    help="lockstep runs of both arms; the run with the median CPU time per "
+                         "token is reported for each (the machine may be shared)")
     ap.add_argument("--no-hit-temperature", type=float, default=0.8)
     ap.add_argument("--workloads", default="hit,open,no-hit")
     ap.add_argument("--batches", default="1,16", help="which of batch 1 and batch 16 to run")
@@ -135,18 +185,14 @@ def main() -> None:
             if str(batch) not in args.batches.split(","):
                 continue
             prompts = [tok.encode_chat(c, True) for c in chats(kind, num)]
+            warm = SamplingParams(temperature=0, max_tokens=4)
+            run(llms, prompts[:1], 1, warm)
+            runs = [run(llms, prompts, batch, params) for _ in range(args.repeat)]
             results: dict[str, dict] = {}
-            for llm in llms.values():
-                run(llm, prompts[:1], 1, SamplingParams(temperature=0, max_tokens=4))  # warm-up
-            runs: dict[str, list] = {name: [] for name in llms}
-            for _ in range(args.repeat):
-                for name, llm in llms.items():
-                    before = llm.engine.stats().spec_decode
-                    res = run(llm, prompts, batch, params)
-                    runs[name].append((res, before, llm.engine.stats().spec_decode))
             for name in llms:
-                by_cpu = sorted(runs[name], key=lambda r: r[0]["cpu_ms_per_token"])
-                res, before, after = by_cpu[len(by_cpu) // 2]
+                by_cpu = sorted((r[name] for r in runs), key=lambda r: r["cpu_ms_per_token"])
+                res = results[name] = by_cpu[len(by_cpu) // 2]
+                before, after = res["stats"]
                 acc = mal = "-"
                 if after is not None:
                     drafts = after.num_drafts - before.num_drafts
@@ -154,7 +200,6 @@ def main() -> None:
                     accepted = after.num_accepted_tokens - before.num_accepted_tokens
                     acc = f"{accepted / proposed:.2f}" if proposed else "n/a"
                     mal = f"{1 + accepted / drafts:.2f}" if drafts else "n/a"
-                results[name] = res
                 print(f"| {kind} | {batch} | {name} | {res['throughput']:.1f} | "
                       f"{res['tpot_ms']:.1f} | {res['cpu_ms_per_token']:.1f} | {acc} | {mal} |",
                       flush=True)
@@ -165,6 +210,14 @@ def main() -> None:
             print(f"| {kind} | {batch} | ngram/off | x{speedup:.2f} | "
                   f"x{results['off']['tpot_ms'] / results['ngram']['tpot_ms']:.2f} | x{cpu:.2f} "
                   f"| outputs equal: {same} | |", flush=True)
+            each = ", ".join(f"x{r['off']['cpu_ms_per_token'] / r['ngram']['cpu_ms_per_token']:.2f}"
+                             for r in runs)
+            print(f"CPU per token off/ngram in each run: {each}", flush=True)
+            if batch > 1:  # where a closed batch's cost goes (docs/benchmarks.md)
+                print("CPU ms/token with the whole batch running / fewer (tokens then): "
+                      + ", ".join(f"{name} {_ms(r['phases']['full'])} / "
+                                  f"{_ms(r['phases']['short'])} ({r['short_tokens']})"
+                                  for name, r in results.items()), flush=True)
     print(f"load average after: {os.getloadavg()}")
     for kind, costs in llms["ngram"].engine.spec.cost.snapshot().items():
         print(f"step costs the ngram engine measured, {kind} steps, ms by rows: "

@@ -1,25 +1,30 @@
 """Speculative decoding (n-gram) through the gateway: ``tandem up`` + ``tandem bench serve``.
 
-    PYTHONPATH=. python benchmarks/spec_decode_serve.py [--arms off,on,off,on]
+    PYTHONPATH=. python benchmarks/spec_decode_serve.py [--pairs 2]
         [--c1-prompts 8] [--c16-prompts 32] [--max-tokens 128]
 
-Starts ``tandem up --prefill 1 --decode 1`` (disaggregated: the prefill worker only
-prefills, the decode worker decodes and, in the ``on`` arm, speculates with
-``--speculative-config {"method": "ngram", "num_speculative_tokens": 4,
-"prompt_lookup_min": 2, "prompt_lookup_max": 4}``), once per arm, the arms interleaved
-(off, on, off, on) so that a change in the machine's load falls on both. In each arm it
-runs ``tandem bench serve`` over two workloads, written here as ShareGPT-style JSON:
+Starts two ``tandem up --prefill 1 --decode 1`` clusters side by side (disaggregated: the
+prefill worker only prefills, the decode worker decodes), one without speculation
+(``off``) and one whose decode worker speculates (``on``) with ``--speculative-config
+{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+"prompt_lookup_max": 4}``. Both stay up for the whole run and only one serves at a time
+(an idle worker takes no CPU), so each cell is measured ``--pairs`` times on each arm,
+alternating off, on, on, off, ...: a change in the machine's load within the run falls
+on both arms alike. Each cluster first serves every workload once (16 prompts at
+concurrency 16), not counted. The workloads, written here as ShareGPT-style JSON:
 
     hit      greedy chat prompts "Repeat the following text exactly: <paragraphs>"; the
              reply copies the prompt, so prompt lookups hit (stops at EOS)
     no-hit   chat prompts "Write a short story about <topic>" sampled at temperature 0.8
              (``ignore_eos``: every reply is --max-tokens long); lookups rarely hit
 
-at ``--max-concurrency 1`` and ``16``, and prints one table: output tokens/s, TPOT p50,
-acceptance rate and mean accepted length (read by ``tandem bench serve --metrics-url``
-from the decode worker's /metrics), the load average when the run started, and the
-decode worker's CPU seconds per output token (from /proc/<pid>/stat): the machine may be
-shared, and CPU time per token moves much less with other jobs than wall-clock numbers.
+at ``--max-concurrency 1`` and ``16``. It prints each run as it ends, then per cell the
+mean of each arm and on/off ratios: output tokens/s, TPOT p50, acceptance rate and mean
+accepted length (read by ``tandem bench serve --metrics-url`` from the decode worker's
+/metrics), the load average when the run started, and the decode worker's CPU seconds
+per output token (from /proc/<pid>/stat): the machine may be shared, and CPU time per
+token moves much less with other jobs than wall-clock numbers. The ratio column of a
+cell also gives each pair's own CPU ratio, to show the spread.
 """
 
 from __future__ import annotations
@@ -189,11 +194,17 @@ def bench(cluster: Cluster, workload: str, path: Path, conc: int, num: int, args
     cmd += ["--temperature", "0", "--no-ignore-eos"] if workload == "hit" \
         else ["--temperature", "0.8"]
     load = os.getloadavg()[0]
-    cpu0 = cluster.decode_cpu_s()
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    cpu1 = cluster.decode_cpu_s()
-    if done.returncode != 0:
-        print(done.stdout[-3000:], done.stderr[-3000:], file=sys.stderr)
+    for attempt in range(3):
+        cpu0 = cluster.decode_cpu_s()
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        cpu1 = cluster.decode_cpu_s()
+        if done.returncode == 0:
+            break
+        # NOTE: on a shared machine a starved worker can miss its heartbeats (a
+        # request then fails); the run is measured again rather than lost.
+        print(f"{label}: tandem bench serve failed (attempt {attempt + 1}): "
+              f"{done.stdout[-300:]} {done.stderr[-300:]}", file=sys.stderr, flush=True)
+    else:
         raise RuntimeError(f"tandem bench serve failed ({label})")
     result = json.loads((args.result_dir / f"{label}.json").read_text())
     m = result["runs"][0]["metrics"]
@@ -215,7 +226,7 @@ def table(rows: list[dict]) -> str:
              "| acceptance | mean accepted len | load |",
              "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        num = ".2f" if r["arm"] == "on/off" else ".1f"  # ratios: two decimals
+        num = ".2f" if r["arm"].startswith("on/off") else ".1f"  # ratios: two decimals
         lines.append(f"| {r['workload']} | {r['concurrency']} | {r['arm']} "
                      f"| {fmt(r['out_tok_s'], num)} | {fmt(r['tpot_p50_ms'], num)} "
                      f"| {fmt(r['cpu_ms_per_token'], num)} | {fmt(r['acceptance'], '.2f')} "
@@ -224,68 +235,93 @@ def table(rows: list[dict]) -> str:
 
 
 def summarize(rows: list[dict]) -> list[dict]:
-    """Per cell: the mean of each arm's runs, then on/off ratios (tok/s, TPOT, CPU)."""
+    """Per cell: the mean of each arm's runs, then on/off ratios of the means (tok/s,
+    TPOT, CPU) and each pair's own CPU ratio."""
     out = []
     cells = dict.fromkeys((r["workload"], r["concurrency"]) for r in rows)
     keys = ("out_tok_s", "tpot_p50_ms", "cpu_ms_per_token", "acceptance",
             "mean_accepted_len", "load")
     for wl, conc in cells:
-        mean = {}
+        mean, runs = {}, {}
         for arm in ("off", "on"):
-            runs = [r for r in rows if (r["workload"], r["concurrency"], r["arm"]) ==
-                    (wl, conc, arm)]
-            if not runs:
+            runs[arm] = [r for r in rows if (r["workload"], r["concurrency"], r["arm"]) ==
+                         (wl, conc, arm)]
+            if not runs[arm]:
                 continue
-            avg = {k: (sum(r[k] for r in runs) / len(runs)
-                       if all(r[k] is not None for r in runs) else None) for k in keys}
+            avg = {k: (sum(r[k] for r in runs[arm]) / len(runs[arm])
+                       if all(r[k] is not None for r in runs[arm]) else None) for k in keys}
             mean[arm] = avg
             out.append({"workload": wl, "concurrency": conc,
-                        "arm": f"{arm} (mean of {len(runs)})", **avg})
+                        "arm": f"{arm} (mean of {len(runs[arm])})", **avg})
         if len(mean) == 2:
             ratio = {k: None for k in keys}
             for k in ("out_tok_s", "tpot_p50_ms", "cpu_ms_per_token"):
                 a, b = mean["on"][k], mean["off"][k]
                 ratio[k] = a / b if a is not None and b else None
-            out.append({"workload": wl, "concurrency": conc, "arm": "on/off", **ratio})
+            pairs = [f"{on['cpu_ms_per_token'] / off['cpu_ms_per_token']:.2f}"
+                     for off, on in zip(runs["off"], runs["on"], strict=False)
+                     if on["cpu_ms_per_token"] and off["cpu_ms_per_token"]]
+            out.append({"workload": wl, "concurrency": conc,
+                        "arm": f"on/off (CPU per pair {', '.join(pairs)})", **ratio})
     return out
+
+
+def start(spec: bool, log: Path) -> Cluster:
+    try:
+        return Cluster(spec, log)
+    except RuntimeError as e:  # a worker can miss its start timeout on a loaded machine
+        print(f"{e}; trying once more", file=sys.stderr, flush=True)
+        return Cluster(spec, log.with_suffix(".retry.log"))
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--arms", default="off,on,off,on")
+    p.add_argument("--pairs", type=int, default=2, help="runs of each arm per cell")
     p.add_argument("--c1-prompts", type=int, default=8)
     p.add_argument("--c16-prompts", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--workloads", default="hit,no-hit")
+    p.add_argument("--concurrency", default="1,16")
     p.add_argument("--result-dir", type=Path, default=Path("bench_results/spec_serve"))
     args = p.parse_args()
-    arms = args.arms.split(",")
-    if any(a not in ("off", "on") for a in arms):
-        raise ValueError(f"--arms takes off and on, got {args.arms}")
+    if args.pairs < 1:
+        raise ValueError(f"--pairs must be at least 1, got {args.pairs}")
     args.result_dir = args.result_dir.resolve()
     paths = write_workloads(args.result_dir, max(args.c1_prompts, args.c16_prompts))
+    prompts = {1: args.c1_prompts, 16: args.c16_prompts}
+    concurrency = [int(c) for c in args.concurrency.split(",")]
     print(f"start {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())} UTC, "
           f"load {os.getloadavg()}", flush=True)
-    rows = []
-    for i, arm in enumerate(arms):
-        try:
-            cluster = Cluster(arm == "on", args.result_dir / f"up-{i}-{arm}.log")
-        except RuntimeError as e:  # a worker can miss its start timeout on a loaded machine
-            print(f"{e}; trying once more", file=sys.stderr, flush=True)
-            cluster = Cluster(arm == "on", args.result_dir / f"up-{i}-{arm}-retry.log")
-        try:
+    clusters = {}
+    try:
+        for arm in ("off", "on"):
+            clusters[arm] = start(arm == "on", args.result_dir / f"up-{arm}.log")
+        # A first request pays one-off costs (kernels, caches; the drafter's step-cost
+        # tables): each cluster serves every workload once before anything counts.
+        for arm, cluster in clusters.items():
             for wl in args.workloads.split(","):
-                for conc, num in ((1, args.c1_prompts), (16, args.c16_prompts)):
-                    r = bench(cluster, wl, paths[wl], conc, num, args, f"{i}-{arm}-{wl}-c{conc}")
-                    rows.append({"workload": wl, "concurrency": conc, "arm": arm, **r})
-                    print(table(rows[-1:]).splitlines()[-1], flush=True)
-        finally:
+                bench(cluster, wl, paths[wl], 16, 16, args, f"warmup-{wl}-{arm}")
+        rows = []
+        for wl in args.workloads.split(","):
+            for conc in concurrency:
+                for i in range(args.pairs):
+                    for arm in ("off", "on") if i % 2 == 0 else ("on", "off"):
+                        idle = clusters["on" if arm == "off" else "off"]
+                        idle_cpu = idle.decode_cpu_s()
+                        r = bench(clusters[arm], wl, paths[wl], conc,
+                                  prompts.get(conc, args.c16_prompts), args,
+                                  f"{wl}-c{conc}-{i}-{arm}")
+                        r["idle_cpu_s"] = (None if idle_cpu is None
+                                           else idle.decode_cpu_s() - idle_cpu)
+                        rows.append({"workload": wl, "concurrency": conc, "arm": arm, **r})
+                        print(table(rows[-1:]).splitlines()[-1]
+                              + f" idle arm's decode CPU {fmt(r['idle_cpu_s'], '.2f')} s",
+                              flush=True)
+    finally:
+        for cluster in clusters.values():
             cluster.stop()
     print(f"end {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())} UTC, "
           f"load {os.getloadavg()}\n")
-    rows.sort(key=lambda r: (r["workload"], r["concurrency"]))
-    print(table(rows))
-    print()
     print(table(summarize(rows)))
     (args.result_dir / "summary.json").write_text(json.dumps(rows, indent=1))
 

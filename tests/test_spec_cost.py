@@ -143,6 +143,34 @@ def test_a_sequence_whose_guesses_fail_pauses_and_probes_less_and_less_often():
     assert steps == [1, 8, 24, 48, 96, 192] and MAX_BACKOFF == 64
 
 
+class CountingCosts(FixedCosts):
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.estimates = 0
+
+    def estimate(self, num_seqs, max_draft):
+        self.estimates += 1
+        return super().estimate(num_seqs, max_draft)
+
+
+def test_steps_with_every_sequence_paused_do_not_weigh_costs():
+    costs = CountingCosts(1.0, 0.0, 0.5)
+    spec = decoder(costs)
+    history = run(spec, decoding(2), 300, lambda step, rid, n: 0)
+    # Only a probe's step and the step after it (which pauses again) weigh costs.
+    probes = sum(map(bool, history))
+    assert probes == 6 and costs.estimates == 2 * probes
+
+
+def test_a_new_sequence_starts_from_the_pause_the_last_one_reached():
+    spec = decoder(FixedCosts(token=1.0, step=0.0, row=0.5))
+    run(spec, decoding(1), 300, lambda step, rid, n: 0)
+    spec.forget("r0")
+    history = run(spec, decoding(1), 200, lambda step, rid, n: 0)
+    probes = [i for i, g in enumerate(history) if g]
+    assert 1 <= len(probes) <= 2 and probes[0] > MAX_BACKOFF
+
+
 def test_a_probe_that_holds_brings_speculation_back():
     spec = decoder(FixedCosts(token=1.0, step=0.0, row=0.3))
     history = run(spec, decoding(1), 300, lambda step, rid, n: 0 if step < 100 else n)

@@ -86,6 +86,8 @@ class WorkerMetrics(RequestMetrics):
 
     def _observe_spec(self, now: SpecDecodeStats) -> None:
         seen = self._spec_seen
+        if now.num_drafts == seen.num_drafts:  # no verification since: the usual no-hit step
+            return
         self.spec_drafts.inc(now.num_drafts - seen.num_drafts)
         self.spec_draft_tokens.inc(now.num_draft_tokens - seen.num_draft_tokens)
         self.spec_accepted_tokens.inc(now.num_accepted_tokens - seen.num_accepted_tokens)

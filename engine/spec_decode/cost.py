@@ -25,9 +25,10 @@ over the sizes seen (flat with one size): optimistic, so sizes not seen yet
 get tried, and a tried size is then known. Where one kind of step has not
 been seen at a size, the other kind's cost there counts, corrected by the
 measured difference between the two at sizes seen with both. Each entry
-moves a quarter of the way to each new observation of its size; a step that
-took more than twice its size's entry counts as twice the entry (a step
-interrupted by something else says little about its size).
+is the mean of its first four observations, then moves a quarter of the way
+to each new one; a step that took more than twice its size's entry counts
+as twice the entry (a step interrupted by something else says little about
+its size).
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class StepCostModel:
         self.clock = clock
         self._plain: dict[int, float] = {}
         self._verify: dict[int, float] = {}
+        self._counts: dict[tuple[bool, int], int] = {}  # observations per (verifying, rows)
         self._num_plain = 0
         self._gap = 0.0  # verify - plain at sizes seen with both (running mean)
         self._gap_seen = False
@@ -89,8 +91,10 @@ class StepCostModel:
         rows = num_seqs + num_draft
         table, other = (self._verify, self._plain) if num_draft else (self._plain, self._verify)
         old = table.get(rows)
+        count = self._counts[bool(num_draft), rows] = self._counts.get((bool(num_draft), rows), 0) + 1
+        # The mean of the first few, then a running mean.
         table[rows] = seconds if old is None else \
-            old + WEIGHT * (min(seconds, OUTLIER * old) - old)
+            old + max(WEIGHT, 1 / count) * (min(seconds, OUTLIER * old) - old)
         if not num_draft:
             self._num_plain += 1
         if rows in other:  # both kinds seen at this size: how far apart they are

@@ -18,8 +18,8 @@ costs and what a step verifying ``E`` guesses would. The step takes the
 ``E`` guesses worth most (a sequence's first before its second), with the
 ``E`` that gives the most expected tokens per second, ``(B + sum of their
 a^i) / cost(B + E)``, and speculates only if that beats a plain step's
-``B / cost(B)`` (checked again with what was proposed: a lookup may find
-less). So when acceptance collapses, or rows are dear, speculation stops;
+``B / cost(B)`` by 3% (``MARGIN``; checked again with what was proposed: a
+lookup may find less). So when acceptance collapses, or rows are dear, speculation stops;
 when rows are nearly free (a CPU's matmul below its blocking size, a GPU's
 memory-bound decode), it guesses freely.
 
@@ -27,10 +27,12 @@ Pauses and probes: a sequence none of whose guesses is taken pauses, then
 probes with at least one guess, which can bring its rate back when the
 text starts to repeat. The pause is 4 steps, doubling to 64 while its
 probes find nothing, and back to 4 once the sequence's guesses are taken
-again. Probes fall on steps that are multiples of the pause (one to two
-pauses away), so the sequences that pause alike probe in the same step and
-share what verifying costs once; a step with a probe takes every guess
-that adds to its tokens per second. Until the cost model has seen a few
+again; a new sequence starts from the pause the last sequence to finish
+had reached, so text that never pays is not probed afresh per request.
+Probes fall on steps that are multiples of the pause (one to two pauses
+away), so the sequences that pause alike probe in the same step and share
+what verifying costs once; a step with a probe takes every guess that adds
+to its tokens per second. Until the cost model has seen a few
 plain steps, every other step speculates with every guess, the others run
 plain.
 
@@ -60,6 +62,11 @@ DECAY = 0.5  # weight a sequence's acceptance counts keep per proposal
 GLOBAL_DECAY = 0.99  # the same over all sequences' proposals
 BACKOFF_STEPS = 4
 MAX_BACKOFF = 64
+# NOTE: speculate only when expected tokens per second beat a plain step's by
+# this much: the step-cost tables are running means of noisy timings (a few
+# percent apart at one size), and a guess that only breaks even is a loss
+# whenever they err.
+MARGIN = 1.03
 
 
 @dataclass
@@ -81,8 +88,10 @@ class SpecDecoder:
         self.cost = StepCostModel(default_clock(device))
         self.stats = SpecDecodeStats()
         self._seqs: dict[str, _SeqState] = {}
-        # Over all sequences, decayed; a new sequence starts from this rate.
+        # Over all sequences, decayed; a new sequence starts from this rate,
+        # and from the pause the last sequence to finish had reached.
         self._accepted, self._trials = 0.7, 1.0
+        self._backoff = BACKOFF_STEPS
         self._step = 0
 
     def propose(self, running: list[Request]) -> dict[str, Proposal]:
@@ -96,10 +105,12 @@ class SpecDecoder:
             room = min(k, r.params.max_tokens - r.num_output_tokens - 1,
                        self.max_model_len - r.num_tokens)
             if room >= 1 and speculates(r):
-                state = self._seqs.setdefault(r.request_id, _SeqState())
+                state = self._seqs.get(r.request_id)
+                if state is None:
+                    state = self._seqs[r.request_id] = _SeqState(backoff=self._backoff)
                 state.probing = False
                 candidates.append((r, state, room))
-        if not candidates:
+        if not candidates or self._all_paused(candidates):
             return {}
         costs = self.cost.estimate(len(decoding), sum(room for _, _, room in candidates))
         if costs is None:  # calibrating: every other step plain, the others every guess
@@ -117,7 +128,7 @@ class SpecDecoder:
             guesses = sum(len(p.token_ids) for _, _, p in kept)
             tokens = len(decoding) + sum(self._expected(state, len(p.token_ids))
                                          for _, state, p in kept)
-            if tokens / costs.verify[guesses] <= len(decoding) / costs.plain:
+            if tokens / costs.verify[guesses] <= MARGIN * len(decoding) / costs.plain:
                 self._pause(state for _, state, _ in kept)  # not those a lookup found nothing for
                 return {}
         return {rid: p for rid, _, p in kept}
@@ -145,7 +156,7 @@ class SpecDecoder:
         per_second = tokens / (costs.verify[: len(chosen) + 1] + costs.propose * guesses)
         per_second[: len(forced) + (not forced)] = 0.0  # at least the probes; without, a guess
         best = int(per_second.argmax())
-        if not forced and per_second[best] <= num_seqs / costs.plain:
+        if not forced and per_second[best] <= MARGIN * num_seqs / costs.plain:
             best = 0
         lengths = [0] * len(candidates)
         for _, i in chosen[:best]:
@@ -159,6 +170,14 @@ class SpecDecoder:
             elif state.probe_at is None:
                 self._pause([state])
         return plans
+
+    def _all_paused(self, candidates: list[tuple[Request, _SeqState, int]]) -> bool:
+        """Every candidate paused, none probing this step: nothing to weigh.
+        NOTE: the common step where lookups do not pay; it skips the cost
+        tables' interpolation (a few hundred microseconds a step in Python)."""
+        return self.cost.calibrated and all(
+            state.probe_at is not None and self._step < state.probe_at
+            for _, state, _ in candidates)
 
     def _expected(self, state: _SeqState, guesses: int) -> float:
         rate = self.rate(state)
@@ -198,7 +217,9 @@ class SpecDecoder:
             self.cost.end(len(scheduled), sum(len(s.draft_token_ids) for s in scheduled))
 
     def forget(self, request_id: str) -> None:
-        self._seqs.pop(request_id, None)
+        state = self._seqs.pop(request_id, None)
+        if state is not None:
+            self._backoff = state.backoff
         self.proposer.forget(request_id)
 
 

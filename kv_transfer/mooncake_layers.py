@@ -21,6 +21,7 @@ of one endpoint run in order, so the last write of a block is the good one.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from concurrent.futures import Future
@@ -38,7 +39,10 @@ _tracer = tracer("tandem.kv_transfer")
 class LayerWrites:
     def __init__(self, endpoint: MooncakeEndpoint, target: worker_pb2.MooncakeTarget,
                  dst_block_ids: list[int], num_layers: int, span=None) -> None:
-        """``span``: the transfer's span, parent of one span per layer write."""
+        """``span``: the transfer's span, parent of one span per layer write.
+        Create it on the event loop: ``queued`` resolves there once the step
+        that completes the prompt has queued its last layer's write (before
+        that step's sampling)."""
         endpoint.check_target(target)
         self.endpoint = endpoint
         self.target = target
@@ -49,6 +53,8 @@ class LayerWrites:
         self.bytes_moved = 0
         self.num_segments = 0
         self.futures: list[Future] = []  # the writes handed to the writer thread
+        self.loop = asyncio.get_running_loop()
+        self.queued: asyncio.Future = self.loop.create_future()
         self._held: list[tuple] = []  # writes planned before ``start``
         self._lock = threading.Lock()  # the engine thread plans, the event loop starts
         self._started = False
@@ -102,6 +108,8 @@ class LayerWrites:
         for layer in range(self.num_layers):
             if layer not in self._done_layers:  # e.g. a step replayed from a CUDA graph
                 self.layer_done(layer)
+        if self._final == len(self.dst):
+            self.loop.call_soon_threadsafe(_resolve, self.queued)
 
     def rewind(self) -> None:
         self.sent = [0] * self.num_layers
@@ -148,3 +156,8 @@ class LayerWrites:
             return
         _tracer.start_span(name, context=self._context, start_time=start,
                            attributes=attributes).end(end_time=end)
+
+
+def _resolve(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)

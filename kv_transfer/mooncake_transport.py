@@ -132,14 +132,14 @@ class MooncakeSender(KVSender):
                            self.layout.num_layers, span)
 
     async def send_layers(self, request_id: str, ticket: worker_pb2.Ticket,
-                          writes: LayerWrites, computed: asyncio.Future) -> TransferStats:
+                          writes: LayerWrites) -> TransferStats:
         """Opens the transfer now and lets ``writes`` write once the decode
-        worker accepts; ``computed`` resolves when the prompt is done (every
-        layer write is queued by then), or fails with the compute."""
+        worker accepts; done once the forward pass that completes the prompt
+        has queued its last write and every write has landed."""
 
         async def write() -> dict:
             writes.start()
-            await computed
+            await writes.queued
             started = time.perf_counter()
             for future in list(writes.futures):
                 await asyncio.wrap_future(future)

@@ -131,14 +131,13 @@ class PrefillWorker(WorkerBase):
         watch = None
         # Mooncake opens its transfer now, and writes by layer or as soon as
         # the forward pass that completes the prompt is over.
-        prompt_done = asyncio.get_running_loop().create_future()
         try:
             if isinstance(sender, MooncakeSender):
 
                 def by_layer(span):
                     nonlocal sink
                     sink = sender.layer_writes(ticket, span)
-                    return sender.send_layers(request_id, ticket, sink, prompt_done)
+                    return sender.send_layers(request_id, ticket, sink)
 
                 def at_end(_):
                     nonlocal sink
@@ -180,9 +179,7 @@ class PrefillWorker(WorkerBase):
                 send_span, transfer = self._start_send(
                     sender, ticket, lambda _: sender.send(request_id, ticket, held.block_ids))
                 self.transfers[request_id] = transfer
-            elif sink is not None:
-                prompt_done.set_result(None)  # by layer: every write is queued by now
-            else:
+            elif sink is None:
                 progress.complete()
             try:
                 stats = await transfer

@@ -13,7 +13,8 @@ Writes are held back until the decode worker has accepted the transfer
 (``start``): no byte lands in its blocks before the reservation is marked
 as being written. NOTE: held here, not queued on the writer thread to wait
 there: a queued write that waits would hold up every other request's
-writes (and the first contact's preflight) behind a slow decode worker. Each layer counts the leading blocks that landed (``landed``): the
+writes (and the first contact's preflight) behind a slow decode worker.
+Each layer counts the leading blocks that landed (``landed``): the
 completion count the decode worker checks. After a preemption the prompt
 is computed again into other blocks and every layer is sent again; writes
 of one endpoint run in order, so the last write of a block is the good one.
@@ -30,6 +31,7 @@ import torch
 from opentelemetry import trace
 
 from kv_transfer.mooncake_endpoint import MooncakeEndpoint, Run, Segments
+from kv_transfer.progress import resolve_once
 from rpc.protos import worker_pb2
 from rpc.tracing import tracer
 
@@ -63,7 +65,7 @@ class LayerWrites:
         self._context = trace.set_span_in_context(span) if recording else None
         self._ids: list[int] = []
         self._final = 0
-        self._runs: dict[tuple[int, int], list[Run]] = {}
+        self._runs: dict[tuple[int, int], list[Run]] = {}  # this step's (lo, hi) -> runs
         self._done_layers: set[int] = set()
         self._layer_start = 0  # ns: when this step's current layer began computing
         self._cuda = endpoint.device.type == "cuda"
@@ -73,7 +75,7 @@ class LayerWrites:
     def begin_step(self, block_ids: list[int], num_final: int) -> None:
         self._ids, self._final = block_ids, num_final
         self._done_layers = set()
-        self._runs: dict[tuple[int, int], list[Run]] = {}  # (lo, hi) -> their runs
+        self._runs = {}
         self._layer_start = time.time_ns()
 
     def layer_done(self, layer: int) -> None:
@@ -109,7 +111,7 @@ class LayerWrites:
             if layer not in self._done_layers:  # e.g. a step replayed from a CUDA graph
                 self.layer_done(layer)
         if self._final == len(self.dst):
-            self.loop.call_soon_threadsafe(_resolve, self.queued)
+            self.loop.call_soon_threadsafe(resolve_once, self.queued, None)
 
     def rewind(self) -> None:
         self.sent = [0] * self.num_layers
@@ -156,8 +158,3 @@ class LayerWrites:
             return
         _tracer.start_span(name, context=self._context, start_time=start,
                            attributes=attributes).end(end_time=end)
-
-
-def _resolve(future: asyncio.Future) -> None:
-    if not future.done():
-        future.set_result(None)

@@ -71,12 +71,13 @@ class PromptDone:
         if self.cuda:  # the forward's kernels are queued, not done: the write waits for them
             event = torch.cuda.Event()
             event.record()
-        self.loop.call_soon_threadsafe(_resolve, self.blocks, (list(self._ids), event))
+        self.loop.call_soon_threadsafe(resolve_once, self.blocks, (list(self._ids), event))
 
     def rewind(self) -> None:
         pass
 
 
-def _resolve(future: asyncio.Future, value) -> None:
+def resolve_once(future: asyncio.Future, value) -> None:
+    """Resolve ``future`` unless it is already (on its event loop)."""
     if not future.done():
         future.set_result(value)

@@ -16,7 +16,9 @@ python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name())
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv >> "$out/device.txt" 2>&1
 # The compiled kernels against their references (fp8 KV store and decode too),
 # cpu_offload_gb streaming weights from pinned host memory, CUDA graphs against eager,
-# the quantized matmul, and (with two GPUs) tensor parallelism over NCCL.
+# the quantized matmuls (GPTQ/AWQ/pack-quantized integers, INT8/FP8 W8A16) and
+# compressed-tensors models on the GPU against the CPU, and (with two GPUs)
+# tensor parallelism over NCCL.
 timeout 120 python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider \
     2>&1 | tee "$out/pytest_gpu.log"
 tests=$?

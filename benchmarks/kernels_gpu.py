@@ -255,6 +255,28 @@ def bench_quant_matmul(device: str) -> list[dict]:
     return rows
 
 
+def bench_scaled_matmul(device: str) -> list[dict]:
+    """8-bit weights with a scale per output row (compressed-tensors W8A16,
+    INT8 and FP8 e4m3) against a dense bfloat16 matmul, same shape as above."""
+    from kernels.scaled_matmul import scaled_matmul
+
+    k, n = 4096, 2 * 14336
+    weights = {"int8": torch.randint(-127, 128, (n, k), dtype=torch.int8, device=device),
+               "fp8": (torch.randn(n, k, device=device) * 64).to(torch.float8_e4m3fn)}
+    scale = torch.rand(n, device=device) * 0.01
+    dense = torch.randn(n, k, dtype=DTYPE, device=device)
+    rows = []
+    for m in (1, 16, 64, 256):
+        x = torch.randn(m, k, dtype=DTYPE, device=device)
+        dense_ms = time_ms(partial(torch.nn.functional.linear, x, dense))
+        for name, w in weights.items():
+            ms = time_ms(partial(scaled_matmul, x, w, scale))
+            rows.append({"weights": name, "tokens": m, "ms": ms, "dense_ms": dense_ms,
+                         "weight_gbps": (w.numel() + scale.numel() * 4) / ms / 1e6,
+                         "speedup_vs_dense": dense_ms / ms})
+    return rows
+
+
 def _fmt(value, scale=1.0, digits=1, pct=False) -> str:
     if value is None:
         return "-"
@@ -296,6 +318,11 @@ def print_tables(result: dict) -> None:
     for r in result.get("quant_matmul", []):
         print(f"  tokens {r['tokens']:>4}: int4 {_fmt(r['quant_ms'], 1e-3)}"
               f" ({r['quant_weight_gbps']:.0f} GB/s of weights)"
+              f"  bf16 {_fmt(r['dense_ms'], 1e-3)}  x{r['speedup_vs_dense']:.2f}")
+    print("\n8-bit weights (W8A16) 4096 -> 28672 vs dense bfloat16 (us)")
+    for r in result.get("scaled_matmul", []):
+        print(f"  tokens {r['tokens']:>4}: {r['weights']:<4} {_fmt(r['ms'], 1e-3)}"
+              f" ({r['weight_gbps']:.0f} GB/s of weights)"
               f"  bf16 {_fmt(r['dense_ms'], 1e-3)}  x{r['speedup_vs_dense']:.2f}")
     batch, ctx, wanted = TARGET
     hit = next(r for r in result["decode"] if r["batch"] == batch and r["context"] == ctx)
@@ -364,6 +391,9 @@ def main(argv: list[str] | None = None) -> dict:
     print("fused layers done", flush=True)
     result["quant_matmul"] = bench_quant_matmul(device)
     print("quantized matmul done", flush=True)
+    torch.cuda.empty_cache()
+    result["scaled_matmul"] = bench_scaled_matmul(device)
+    print("8-bit weight matmul done", flush=True)
     torch.cuda.empty_cache()
 
     if not args.skip_engine:

@@ -3,7 +3,10 @@ linear layer (576 -> 1536, gate/up's shape) as float32 ``F.linear`` and as
 ``ScaledLinear`` (dequantize the weight every call; W8A8 also quantizes the
 input), for a decode-sized and a prefill-sized input.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/scaled_linear_cpu.py
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/scaled_linear_cpu.py [--dtype bfloat16]
+
+(``--dtype``: the inputs' and the float layer's dtype; INT8 layers take
+torch's int8 GEMV for bfloat16 inputs of up to 32 rows.)
 
 CPU time per call (process time, steadier than wall time on a shared
 machine), median of ``--reps``.
@@ -39,13 +42,16 @@ def cpu_ms(fn, reps: int) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = p.parse_args()
+    dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
     weight = torch.randn(1536, 576) * 0.02
     print(f"{'layer':<12} {'1 token':>9} {'256 tokens':>11}  (ms of CPU per call)")
-    inputs = {n: torch.randn(n, 576) for n in (1, 256)}
-    row = {n: cpu_ms(lambda x=x: F.linear(x, weight), args.reps) for n, x in inputs.items()}
-    print(f"{'float32':<12} {row[1]:>9.3f} {row[256]:>11.3f}")
+    inputs = {n: torch.randn(n, 576, dtype=dtype) for n in (1, 256)}
+    dense = weight.to(dtype)
+    row = {n: cpu_ms(lambda x=x: F.linear(x, dense), args.reps) for n, x in inputs.items()}
+    print(f"{args.dtype:<12} {row[1]:>9.3f} {row[256]:>11.3f}")
     for method, scheme in SCHEMES.items():
         cfg = CompressedConfig(*scheme, online=True)
         layer = ScaledLinear(576, 1536, False, cfg)

@@ -46,7 +46,13 @@ class AsyncEngineLoop:
         # step or a KV copy broke the tensor-parallel group): a server
         # watching it should drain and exit.
         self.unusable = asyncio.Event()
-        self._event_loop: asyncio.AbstractEventLoop | None = None
+        # The loop to wake when another thread breaks the engine (an
+        # asyncio.Event set from outside its loop wakes no waiter): the one
+        # this is built in, if any, else the first that runs it.
+        try:
+            self._event_loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            self._event_loop = None
         engine.on_unusable(self._mark_unusable)
 
     def _mark_unusable(self) -> None:

@@ -78,6 +78,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=int,
                    default=engine("tensor_parallel_size"),
                    help="split the model across this many processes (GPUs on CUDA)")
+    g.add_argument("--nnodes", type=int, default=engine("nnodes"),
+                   help="spread the tensor-parallel ranks over this many hosts, "
+                        "--tensor-parallel-size / --nnodes on each")
+    g.add_argument("--node-rank", type=int, default=engine("node_rank"),
+                   help="this host's place among --nnodes: 0 runs the worker (the leader), "
+                        "any other only its ranks' model shards")
+    g.add_argument("--master-addr", default=engine("master_addr"),
+                   help="with --nnodes > 1: the leader's host, where it listens and the other "
+                        "nodes reach it (the same on every node)")
+    g.add_argument("--master-port", type=int, default=engine("master_port"),
+                   help="with --nnodes > 1: the port the leader listens on for the other nodes")
+    g.add_argument("--tp-join-timeout", type=float, default=engine("tp_join_timeout"),
+                   help="seconds the leader waits for the other nodes' ranks (and they for it) "
+                        "before its start fails")
     g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction,
                    default=engine("enforce_eager"),
                    help="on CUDA, run decode steps eagerly instead of replaying CUDA graphs")

@@ -19,7 +19,8 @@ DTYPES = tuple(DTYPE_SIZES)
 DTYPE_CHOICES = ("auto", *DTYPES)  # what a user may ask for
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 LOAD_FORMATS = ("auto", "dummy")
-# "compressed-tensors": insist on such a checkpoint (FP8/INT8 weights); "fp8":
+# "compressed-tensors": insist on such a checkpoint (FP8/INT8 weights with
+# scales, or pack-quantized 4/8-bit integers); "fp8":
 # such a checkpoint, or quantize a float one's linear layers at load.
 QUANTIZATIONS = ("gptq", "awq", "compressed-tensors", "fp8")
 # --- KV cache dtype (issue 16) ---
@@ -64,8 +65,8 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    # GPTQ/AWQ weight-only quantization, or 8-bit compressed-tensors weights,
-    # of the decoder's linear layers.
+    # GPTQ/AWQ/pack-quantized weight-only integers (QuantConfig), or 8-bit
+    # compressed-tensors weights with scales, of the decoder's linear layers.
     quantization: QuantConfig | CompressedConfig | None = None
 
     def __post_init__(self) -> None:
@@ -302,6 +303,22 @@ class EngineConfig:
     # Ranks the model is split across (attention heads, MLP columns); rank 0
     # runs in this process, the others in spawned ones (one GPU each on CUDA).
     tensor_parallel_size: int = 1
+    # --- several nodes: a tensor-parallel group larger than one machine ---
+    # The ranks are spread over ``nnodes`` hosts, tensor_parallel_size / nnodes
+    # on each (one GPU each). Node 0, the leader, runs the engine and ranks
+    # 0..n-1; node k runs only the model shards of ranks k*n..k*n+n-1, which
+    # take part in every step (engine/parallel/remote.py, node.py).
+    nnodes: int = 1
+    node_rank: int = 0
+    # Where the leader listens for the other nodes' ranks and they reach it
+    # (an address or name of the leader's host). Needed with nnodes > 1;
+    # None: 127.0.0.1, one node.
+    master_addr: str | None = None
+    master_port: int = 29500
+    # Seconds the leader waits for every other node's ranks to join, and a
+    # node's ranks for the leader to answer: a start that cannot complete
+    # fails within this bound instead of waiting forever.
+    tp_join_timeout: float = 600.0
     # None: as the checkpoint's quantization_config says. "gptq" / "awq":
     # the same, but a checkpoint quantized otherwise (or not at all) is refused.
     quantization: str | None = None
@@ -338,6 +355,7 @@ class EngineConfig:
             raise ValueError(
                 f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"
             )
+        self._check_nodes()
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -345,6 +363,36 @@ class EngineConfig:
                 f"attention_backend must be 'auto', 'torch' or 'triton', "
                 f"got {self.attention_backend!r}"
             )
+
+    def _check_nodes(self) -> None:
+        if self.nnodes < 1:
+            raise ValueError(f"nnodes must be at least 1, got {self.nnodes}")
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(
+                f"tensor_parallel_size {self.tensor_parallel_size} must be a multiple of "
+                f"nnodes {self.nnodes}: each node runs tensor_parallel_size / nnodes ranks"
+            )
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), "
+                             f"got {self.node_rank}")
+        if self.nnodes > 1 and not self.master_addr:
+            raise ValueError("nnodes > 1 needs master_addr: the leader's (node rank 0) "
+                             "address, the same on every node")
+        if not 1 <= self.master_port <= 65535:
+            raise ValueError(f"master_port must be in [1, 65535], got {self.master_port}")
+        if not self.tp_join_timeout > 0:
+            raise ValueError(f"tp_join_timeout must be positive, got {self.tp_join_timeout}")
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Tensor-parallel ranks on each node (one GPU each on CUDA)."""
+        return self.tensor_parallel_size // self.nnodes
+
+    @property
+    def node_ranks(self) -> range:
+        """The tensor-parallel ranks this node runs."""
+        first = self.node_rank * self.ranks_per_node
+        return range(first, first + self.ranks_per_node)
 
 
 def default_of(cls: type, name: str) -> Any:

@@ -17,26 +17,23 @@ What a request's blocks go through, by caller::
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import time
 from collections.abc import Callable, Sequence
 
 from engine.completions import split_completions
-from engine.config import EngineConfig, ModelConfig
-from engine.dtypes import resolve_dtype
+from engine.config import EngineConfig
 from engine.host_kv_store import HostKVStore
 from engine.host_kv_tier import HostKVTier
 from engine.kv_cache_manager import KVCacheManager
 from engine.layer_streams import LayerKVSink, LayerStreams
-from engine.loader.resolve import resolve_model_dir
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
 from engine.outputs import EngineStats, KVProgress, RequestOutput
-from engine.quantization import CompressedConfig
 from engine.request import Request, RequestStatus
 from engine.request_checks import check_request
+from engine.resolved import resolve_model
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.scheduler_output import SchedulerOutput
@@ -48,18 +45,22 @@ logger = logging.getLogger("engine")
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        if config.node_rank != 0:
+            raise ValueError(
+                f"node_rank {config.node_rank} runs only its ranks' model shards, not an "
+                "engine: start it with a worker entry point (python -m decode_service "
+                "--node-rank ...), which joins the leader's group"
+            )
         # "auto" and the like become what runs, once: everything below (and
         # the KV layout workers compare) sees the concrete dtype.
-        config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype, config.device))
-        self.config = config
-        self.model_dir = resolve_model_dir(config.model,
-                                           allow_no_weights=config.load_format == "dummy")
-        self.model_config = ModelConfig.from_dir(self.model_dir)
-        self._check_quantization()
+        resolved = resolve_model(config)
+        config = self.config = resolved.config
+        self.model_dir = resolved.model_dir
+        self.model_config = resolved.model_config
         has_tokenizer = (self.model_dir / "tokenizer.json").is_file()
         self.tokenizer = Tokenizer(self.model_dir) if has_tokenizer else None
         self.eos_token_ids = self._eos_token_ids()
-        self.max_model_len = self._max_model_len()
+        self.max_model_len = resolved.max_model_len
         self.runner = ModelRunner(config, self.model_config, self.model_dir, self.max_model_len)
         cache = config.cache
         self.kv = KVCacheManager(self.runner.num_blocks, cache.block_size,
@@ -373,20 +374,6 @@ class LLMEngine:
         self.kv.attach_host_tier(HostKVTier(slots, block_bytes, store.copy_out, store.copy_in))
         logger.info("host KV tier: %d blocks (%.2f GiB)", slots, slots * block_bytes / 2**30)
 
-    def _check_quantization(self) -> None:
-        asked = self.config.quantization
-        found = self.model_config.quantization
-        if asked == "fp8" and found is None:  # quantize the float checkpoint at load
-            self.model_config = dataclasses.replace(self.model_config,
-                                                    quantization=CompressedConfig.online_fp8())
-            return
-        if asked == "fp8" and getattr(found, "weight_type", None) == "float":
-            return  # an FP8 compressed-tensors checkpoint is what fp8 asks for
-        if asked is not None and (found is None or found.method != asked):
-            have = f"{found.method}-quantized" if found else "not quantized"
-            raise ValueError(f"quantization={asked!r} was asked for, but {self.model_dir} is "
-                             f"{have}")
-
     def _eos_token_ids(self) -> tuple[int, ...]:
         ids = set(self.model_config.eos_token_ids)
         gen = self.model_dir / "generation_config.json"
@@ -396,12 +383,3 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return tuple(sorted(ids))
-
-    def _max_model_len(self) -> int:
-        model_max = self.model_config.max_model_len
-        asked = self.config.scheduler.max_model_len
-        if asked is None:
-            return model_max
-        if asked > model_max:
-            raise ValueError(f"max_model_len {asked} exceeds the model's limit of {model_max}")
-        return asked

@@ -54,7 +54,7 @@ class ModelRunner:
         shard_config = dataclasses.replace(config, device=rank_device(config.device, 0))
         self.shard = ModelShard(shard_config, model_cfg, model_dir, max_model_len, self.tp)
         self._threads = torch.get_num_threads()  # restored by shutdown()
-        claim_device(shard_config.device, self.tp.size)
+        claim_device(shard_config.device, config.ranks_per_node)
         logger.info("attention backend: %s on %s; tensor parallel: %d",
                     self.backend.name, self.device, self.tp.size)
         self.num_blocks = self._num_blocks()
@@ -63,9 +63,9 @@ class ModelRunner:
         self.kv_blocks: KVBlockView = self.shard.blocks
         self.followers: Followers | None = None
         if self.tp.size > 1:
-            address = self.tp.host()
+            address = self.tp.host(config.master_addr)  # None: 127.0.0.1, one node
             self.followers = Followers(shard_config, model_cfg, model_dir, max_model_len,
-                                       self.num_blocks, self.tp.size, address)
+                                       self.num_blocks, self.tp, address)
             try:
                 self.followers.wait_ready()
                 self.tp.join(address, comm_backend(config.device))
@@ -289,7 +289,7 @@ class ModelRunner:
         """Logprobs of prompt tokens first+1 .. last, predicted by positions first.. ."""
         state = p.request
         entries: list[dict[int, float] | None] = []
-        logprobs = torch.log_softmax(logits, dim=-1)
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
         targets = torch.tensor(state.token_ids[p.first + 1 : p.last + 1], device=self.device)
         chosen = logprobs.gather(1, targets[:, None]).squeeze(1).tolist()
         n = state.params.prompt_logprobs or 0

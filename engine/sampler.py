@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.layers import cpu_ops
 from engine.request import Request
 
 
@@ -67,7 +68,13 @@ class SamplerOutput:
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-    """``logits``: [B, vocab] float32, one row per request in ``batch``."""
+    """``logits``: [B, vocab] in the model's dtype or float32, one row per
+    request in ``batch``; sampled in float32."""
+    if (batch.all_greedy and batch.max_logprobs < 0 and batch.banned is None
+            and not _penalized_rows(batch.requests) and cpu_ops.supports(logits)):
+        # Plain greedy rows of bfloat16 CPU logits: the argmax in one pass,
+        # without widening them first (the same tokens).
+        return SamplerOutput(cpu_ops.argmax(logits).tolist(), [None] * len(batch.requests))
     logits = logits.float()
     raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_logprobs >= 0 else None
     logits = _apply_penalties_and_bans(logits, batch.requests)
@@ -150,10 +157,7 @@ def _apply_penalties_and_bans(logits: torch.Tensor, requests: list[Request]) -> 
     """Repetition (over prompt and output, as in HF), presence and frequency
     penalties (over output, as in OpenAI), and EOS/stop-token bans before
     ``min_tokens``. Rows that need none are untouched."""
-    rows = [
-        i for i, r in enumerate(requests)
-        if r.params.has_penalties or r.num_output_tokens < r.params.min_tokens
-    ]
+    rows = _penalized_rows(requests)
     if not rows:
         return logits
     logits = logits.clone()
@@ -179,3 +183,11 @@ def _apply_penalties_and_bans(logits: torch.Tensor, requests: list[Request]) -> 
             if banned:
                 row[banned] = float("-inf")
     return logits
+
+
+def _penalized_rows(requests: list[Request]) -> list[int]:
+    """Rows with a penalty, or an EOS/stop-token ban until ``min_tokens``."""
+    return [
+        i for i, r in enumerate(requests)
+        if r.params.has_penalties or r.num_output_tokens < r.params.min_tokens
+    ]

@@ -206,6 +206,8 @@ class Scheduler:
         for request in dead_ends:  # structured outputs: the grammar allowed no token
             self.finish(request.request_id, RequestStatus.FINISHED_GRAMMAR)
             changed.append(request)
+        if self.spec is not None:
+            self.spec.end_step(out)  # what the step cost: when speculation pays (drafter.py)
         return changed
 
     def _accept(self, request: Request, s: ScheduledRequest, tokens: list[int]) -> None:

@@ -224,3 +224,14 @@ def quant_matmul(
 ) -> torch.Tensor:  # [num_tokens, out] in x.dtype
     """``x @ W`` with the weight of ``dequantize``, rounded to ``x.dtype``."""
     return x @ dequantize(qweight, scales, zeros, g_idx, bits).to(x.dtype)
+
+
+def scaled_matmul(
+    x: torch.Tensor,  # [num_tokens, in]
+    weight: torch.Tensor,  # [out, in] int8 or float8_e4m3fn
+    scale: torch.Tensor,  # [out] (one per output row) or [1] (one for all), float
+) -> torch.Tensor:  # [num_tokens, out] in x.dtype
+    """``x @ (weight * scale[:, None]).T`` in float32, rounded to ``x.dtype``:
+    compressed-tensors' 8-bit weights (W8A16)."""
+    w = weight.float() * scale.float().reshape(-1, 1)
+    return (x.float() @ w.T).to(x.dtype)

@@ -15,7 +15,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from engine.quantization.compressed_config import SCHEMES
+from engine.quantization.compressed_config import PACKED_SCHEMES, SCHEMES
 
 Command = Callable[[argparse.Namespace], int]
 
@@ -99,14 +99,18 @@ def _add_quantize(sub: argparse._SubParsersAction) -> None:
         "quantize", help="write a model's linear layers as GPTQ/AWQ integers or FP8/INT8",
         description="Quantize a float model into the GPTQ or AWQ file format by "
                     "round-to-nearest per group (the formats, not their calibration "
-                    "algorithms), or into compressed-tensors 8-bit weights with absmax "
-                    "scales (fp8 = FP8 W8A8 dynamic, fp8-w8a16, fp8-tensor, int8 = INT8 W8A8 "
-                    "dynamic, int8-w8a16). The result loads like any other model directory.")
+                    "algorithms); into compressed-tensors pack-quantized integers "
+                    "(wna16: symmetric, wna16-asym: with zero points; --bits 4 or 8, "
+                    "--group-size -1 for one scale per output channel); or into "
+                    "compressed-tensors 8-bit weights with absmax scales (fp8 = FP8 W8A8 "
+                    "dynamic, fp8-w8a16, fp8-tensor, int8 = INT8 W8A8 dynamic, int8-w8a16). "
+                    "The result loads like any other model directory.")
     p.add_argument("out", help="the directory to create")
     p.add_argument("--model", default=None,
                    help="model directory or .gguf file; default: the bundled SmolLM2")
-    p.add_argument("--method", default="gptq", choices=["gptq", "awq", *SCHEMES])
-    p.add_argument("--bits", type=int, default=4, help="4, or 8 (GPTQ only)")
+    p.add_argument("--method", default="gptq",
+                   choices=["gptq", "awq", *PACKED_SCHEMES, *SCHEMES])
+    p.add_argument("--bits", type=int, default=4, help="4, or 8 (GPTQ and wna16 only)")
     p.add_argument("--group-size", type=int, default=128,
                    help="input rows per scale and zero point; -1: one group per row")
     p.set_defaults(run=_quantize)

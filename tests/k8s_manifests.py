@@ -16,8 +16,11 @@ import yaml
 from kustomize_lite import build
 
 ROOT = Path(__file__).resolve().parent.parent / "deploy" / "kubernetes"
-# What the downward API would put in a pod's environment.
-POD_FIELDS = {"status.podIP": "10.1.2.3", "metadata.name": "tandem-decode-abc12"}
+# What the downward API would put in a pod's environment (pod 0 of a StatefulSet).
+POD_INDEX = "metadata.labels['apps.kubernetes.io/pod-index']"
+POD_FIELDS = {"status.podIP": "10.1.2.3", "metadata.name": "tandem-decode-abc12", POD_INDEX: "0"}
+# The kinds whose pods run Tandem.
+WORKLOADS = ("Deployment", "StatefulSet")
 
 
 def kustomizations() -> list[Path]:
@@ -69,8 +72,12 @@ def named(objects, kind: str, name: str) -> dict | None:
     return next((o for o in of_kind(objects, kind) if o["metadata"]["name"] == name), None)
 
 
-def pod_labels(deployment: dict) -> dict:
-    return deployment["spec"]["template"]["metadata"]["labels"]
+def workloads(objects) -> list[dict]:
+    return [o for o in objects if o["kind"] in WORKLOADS]
+
+
+def pod_labels(workload: dict) -> dict:
+    return workload["spec"]["template"]["metadata"]["labels"]
 
 
 def selects(selector: dict, labels: dict) -> bool:
@@ -86,12 +93,14 @@ def selects(selector: dict, labels: dict) -> bool:
     return True
 
 
-def deployments_selected(objects, selector: dict) -> list[dict]:
-    return [d for d in of_kind(objects, "Deployment") if selects(selector, pod_labels(d))]
+def workloads_selected(objects, selector: dict) -> list[dict]:
+    return [d for d in workloads(objects) if selects(selector, pod_labels(d))]
 
 
-def container_env(objects, container: dict) -> dict[str, str]:
-    """The environment the kubelet would give ``container``."""
+def container_env(objects, container: dict, pod_fields: dict[str, str] = POD_FIELDS,
+                  ) -> dict[str, str]:
+    """The environment the kubelet would give ``container`` (in a pod whose
+    downward-API fields are ``pod_fields``)."""
     env: dict[str, str] = {}
     for source in container.get("envFrom", []):
         cm = named(objects, "ConfigMap", source["configMapRef"]["name"])
@@ -105,7 +114,7 @@ def container_env(objects, container: dict) -> dict[str, str]:
             r = ref["configMapKeyRef"]
             env[e["name"]] = named(objects, "ConfigMap", r["name"])["data"][r["key"]]
         elif "fieldRef" in ref:
-            env[e["name"]] = POD_FIELDS[ref["fieldRef"]["fieldPath"]]
+            env[e["name"]] = pod_fields[ref["fieldRef"]["fieldPath"]]
         elif "resourceFieldRef" in ref:
             resource = ref["resourceFieldRef"]["resource"]  # e.g. limits.cpu
             group, name = resource.split(".")

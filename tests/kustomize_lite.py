@@ -6,9 +6,9 @@ kubectl exists).
 Supported: ``resources`` (files and directories), ``components``,
 ``namespace``, ``labels`` (without ``includeSelectors``), ``images``, and
 ``patches`` with a ``target`` (kind and a name, a regular expression as in
-kustomize), either a strategic-merge patch or a JSON patch (RFC 6902: add,
-replace, remove). Anything else in a kustomization is an error here, not
-silently skipped.
+kustomize), either a strategic-merge patch (``$patch: delete`` at its top
+removes the targets) or a JSON patch (RFC 6902: add, replace, remove).
+Anything else in a kustomization is an error here, not silently skipped.
 
 Order, as kustomize applies it: a kustomization's resources, then each
 component (its resources join, then its transformers run over everything
@@ -110,12 +110,18 @@ def _apply_patch(path: Path, patch: dict, objects: list[dict]) -> None:
     matched = [o for o in objects if _matches(o, target)]
     if not matched:
         raise ValueError(f"{path}: patch target {target} matches nothing")
+    if isinstance(body, dict) and body.get("$patch") == "delete":
+        objects[:] = [o for o in objects if not any(o is m for m in matched)]
+        return
     for o in matched:
         if isinstance(body, list):
             for op in body:
                 _json_patch(o, op)
         else:
-            merged = _merge(o, {k: v for k, v in body.items() if k != "metadata"})
+            # NOTE: with a target, a patch's kind and name only name it:
+            # kustomize applies it to each target as if it were of that kind.
+            merged = _merge(o, {k: v for k, v in body.items()
+                                if k not in ("metadata", "apiVersion", "kind")})
             if "metadata" in body:  # the patch's own name only names a target
                 meta = {k: v for k, v in body["metadata"].items() if k not in ("name",)}
                 merged["metadata"] = _merge(merged["metadata"], meta)

@@ -10,6 +10,7 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 from engine_fixtures import assert_all_free
 from safetensors.torch import load_file
 from tiny_models import build_tiny_model
@@ -36,7 +37,8 @@ def quantized(tiny_src, tmp_path_factory):
 def greedy(model_dir, **kwargs) -> list[list[int]]:
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (4, 11, 19)]
-    llm = LLM(str(model_dir), dtype="float32", block_size=4, num_blocks=64, **kwargs)
+    kwargs.setdefault("dtype", "float32")
+    llm = LLM(str(model_dir), block_size=4, num_blocks=64, **kwargs)
     try:
         params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
         out = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -53,7 +55,7 @@ def test_quantization_config_round_trips_and_refuses_what_is_not_read():
     base = CompressedConfig("int", "channel", "token").to_dict()
     group = base["config_groups"]["group_0"]
     for change, message in [
-        ({"format": "pack-quantized"}, "format 'pack-quantized' is not supported"),
+        ({"format": "marlin-24"}, "format 'marlin-24' is not supported"),
         ({"config_groups": {"a": group, "b": group}}, "2 config groups"),
         ({"config_groups": {"g": {**group, "weights": {**group["weights"], "num_bits": 4}}}},
          "4-bit compressed-tensors weights"),
@@ -153,3 +155,44 @@ def test_tandem_quantize_writes_compressed_tensors(tiny_src, tmp_path, capsys):
     assert weights["model.layers.0.mlp.up_proj.weight"].dtype == torch.int8
     assert weights["model.embed_tokens.weight"].is_floating_point()
     assert LLM(str(out), num_blocks=8, quantization="compressed-tensors") is not None
+
+
+def test_int8_weights_under_bf16_decode_rows_take_the_int8_gemv():
+    """A few bfloat16 rows go through torch's int8 GEMV (sum over the exact
+    integers, bf16 scale); more rows, other dtypes, and widths the op cannot
+    take (not a multiple of 32: it returns garbage there) dequantize."""
+    from engine.layers.scaled_linear import INT8_GEMV_MAX_ROWS, ScaledLinear
+    from engine.quantization.compressed import quantize_weight
+    from kernels import reference
+
+    torch.manual_seed(0)
+    for in_features, gemv in ((96, True), (40, False)):
+        cfg = CompressedConfig("int", "channel")
+        layer = ScaledLinear(in_features, 48, False, cfg)
+        assert layer._int8_gemv == gemv
+        q, scale = quantize_weight(torch.randn(48, in_features) * 0.1, cfg)
+        layer.weight.data.copy_(q)
+        layer.weight_scale.data.copy_(scale.reshape(-1))
+        for rows in (1, 5, INT8_GEMV_MAX_ROWS, INT8_GEMV_MAX_ROWS + 1):
+            x = torch.randn(rows, in_features).bfloat16()
+            out = layer(x)
+            dequantized = F.linear(x, dequantize_weight(q, scale).bfloat16())
+            if gemv and rows <= INT8_GEMV_MAX_ROWS:
+                assert torch.equal(out, torch._weight_int8pack_mm(x, q, scale.reshape(-1).bfloat16()))
+            else:
+                assert torch.equal(out, dequantized)
+            ref = reference.scaled_matmul(x.float(), q, scale.reshape(-1)).float()
+            torch.testing.assert_close(out.float(), ref, atol=1e-2 * ref.abs().max().item(),
+                                       rtol=1e-2)
+        x = torch.randn(2, in_features)  # float32 inputs: the reference
+        assert torch.equal(layer(x), F.linear(x, dequantize_weight(q, scale)))
+
+
+def test_bf16_int8_model_gives_its_dequantized_twins_tokens(tiny_src, quantized, tmp_path):
+    out = load_file(quantized["int8-w8a16"] / "model.safetensors")
+    src = load_file(tiny_src / "model.safetensors")
+    twin = {n: dequantize_weight(out[n], out[n + "_scale"]) if is_linear_weight(n) else t
+            for n, t in src.items()}
+    twin_dir = save_model(tiny_src, tmp_path / "twin", {k: v.contiguous() for k, v in twin.items()},
+                          {})
+    assert greedy(quantized["int8-w8a16"], dtype="bfloat16") == greedy(twin_dir, dtype="bfloat16")

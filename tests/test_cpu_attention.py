@@ -35,12 +35,19 @@ def starts_of(query_lens):
     return torch.tensor([0] + list(torch.tensor(query_lens).cumsum(0)), dtype=torch.int32)
 
 
+# Lengths around the 16-token block boundary, one within a single token, and
+# one longer than the kernel's 32-key softmax chunk; and a batch large enough
+# to share out by sequence (several kv heads per pass over a sequence's keys).
+FEW = [1, 15, 16, 17, 32, 33, 70]
+MANY = [1 + (i * 37) % 150 for i in range(48)]
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 128), (8, 1, 32)])
-def test_decode_matches_reference(dtype, heads, kv_heads, head_dim):
-    # Lengths around the 16-token block boundary, one within a single token,
-    # and one longer than the kernel's 32-key softmax chunk.
-    lens = [1, 15, 16, 17, 32, 33, 70]
+@pytest.mark.parametrize("heads,kv_heads,head_dim,lens", [
+    (9, 3, 64, FEW), (4, 4, 128, FEW), (8, 1, 32, FEW),
+    (9, 3, 64, MANY), (32, 8, 64, MANY), (16, 2, 128, MANY), (6, 6, 32, MANY),
+])
+def test_decode_matches_reference(dtype, heads, kv_heads, head_dim, lens):
     k_cache, v_cache, table, seq_lens = make_paged(lens, 16, kv_heads, head_dim, dtype)
     query = randn(len(lens), heads, head_dim, dtype=dtype, seed=1)
     ref = reference.paged_decode_attention(query, k_cache, v_cache, table, seq_lens, 0.125)

@@ -74,3 +74,15 @@ def test_float32_keeps_the_reference_ops():
     assert not cpu_ops.supports(torch.zeros(2, 8))
     x = torch.randn(4, 16)
     torch.testing.assert_close(silu_and_mul(x), F.silu(x[:, :8]) * x[:, 8:], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cols", [1, 5, 16, 17, 49152, 49157])
+def test_argmax_equals_torch_on_the_widened_rows(cols):
+    x = randn(37, cols, seed=7, scale=3.0)
+    x[3, :] = x[3, 0]  # all tied: the first index
+    if cols > 10:
+        x[5, 7] = x[5, 9] = float("nan")  # a NaN is the largest, its first index
+        x[6, :] = float("-inf")
+        x[7, cols - 1] = 100.0  # the last column, past the 16-wide part
+    assert torch.equal(cpu_ops.argmax(x), x.float().argmax(-1))
+    assert torch.equal(cpu_ops.argmax(x[:, : cols // 2 + 1]), x[:, : cols // 2 + 1].float().argmax(-1))

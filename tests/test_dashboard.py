@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 import yaml
-from k8s_manifests import ROOT, deployments_selected, of_kind, pod_labels, render, selects
+from k8s_manifests import ROOT, of_kind, pod_labels, render, selects, workloads_selected
 from prometheus_client.core import Metric
 
 from gateway.metrics import GatewayMetrics
@@ -48,7 +48,7 @@ def kubernetes_roles() -> set[str]:
             label = relabel["sourceLabels"][0].removeprefix("__meta_kubernetes_pod_label_")
             for s in of_kind(objects, "Service"):
                 if selects(monitor["spec"]["selector"], s["metadata"]["labels"]):
-                    for d in deployments_selected(objects, {"matchLabels": s["spec"]["selector"]}):
+                    for d in workloads_selected(objects, {"matchLabels": s["spec"]["selector"]}):
                         labels = {k.replace(".", "_").replace("/", "_").replace("-", "_"): v
                                   for k, v in pod_labels(d).items()}
                         roles.add(labels[label])

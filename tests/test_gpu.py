@@ -99,6 +99,53 @@ def test_compiled_quant_matmul_matches_reference(dtype):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("weights", [torch.int8, torch.float8_e4m3fn])
+def test_compiled_scaled_matmul_matches_reference(dtype, weights):
+    from kernels import reference
+    from kernels.scaled_matmul import scaled_matmul
+
+    torch.manual_seed(0)
+    k, n = 4096, 1024
+    w = (torch.randn(n, k, device="cuda") * 40).clamp(-127, 127)
+    w = w.round().to(weights) if weights == torch.int8 else w.to(weights)
+    for scale in (torch.rand(n, device="cuda") * 0.01, torch.full((1,), 0.003, device="cuda")):
+        for m in (1, 7, 64, 300):
+            x = torch.randn(m, k, device="cuda", dtype=dtype)
+            out = scaled_matmul(x, w, scale)
+            ref = reference.scaled_matmul(x.float(), w, scale)
+            torch.testing.assert_close(out.float(), ref, atol=1e-2 * ref.abs().max().item(),
+                                       rtol=1e-2)
+
+
+@pytest.mark.parametrize("method,bits,group", [("int8-w8a16", 8, -1), ("fp8", 8, -1),
+                                               ("wna16", 4, 32)])
+def test_compressed_tensors_models_on_gpu_match_cpu(tmp_path, method, bits, group):
+    """8-bit layers through kernels.scaled_matmul, pack-quantized ones through
+    kernels.quant_matmul, give the CPU reference's tokens."""
+    from tiny_models import build_tiny_model
+
+    from engine.quantization.writer import quantize_model
+    from tandem import LLM, SamplingParams
+
+    src, _ = build_tiny_model("llama-gqa", tmp_path)
+    qdir = quantize_model(str(src), tmp_path / method, method, bits, group)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (3, 17, 40)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outputs = {}
+    for device in ("cpu", "cuda"):
+        llm = LLM(str(qdir), device=device, dtype="float32", num_blocks=64, block_size=16)
+        layer = llm.engine.runner.model.layers[0].mlp.down_proj
+        if device == "cuda":
+            fused = getattr(layer, "_kernel", None) or layer._matmul
+            assert fused.__module__ in ("kernels.scaled_matmul", "kernels.quant_matmul")
+        outputs[device] = [o.outputs[0].token_ids
+                           for o in llm.generate(prompts, params, use_tqdm=False)]
+        llm.engine.shutdown()
+    assert outputs["cuda"] == outputs["cpu"]
+
+
 def test_tensor_parallel_over_nccl_matches_one_gpu(tmp_path):
     from tiny_models import build_tiny_model
 

@@ -18,15 +18,18 @@ import re
 import pytest
 import yaml
 from k8s_manifests import (
+    POD_FIELDS,
+    POD_INDEX,
     ROOT,
     container_env,
-    deployments_selected,
     every_rendering,
     expand,
     named,
     of_kind,
     pod_labels,
     selects,
+    workloads,
+    workloads_selected,
 )
 
 from engine.cli_args import config_from_args
@@ -58,22 +61,22 @@ def ports_of(deployment: dict) -> dict[str | int, int]:
 @pytest.mark.parametrize("case", CASES)
 def test_selectors_find_pods(case):
     objects = RENDERINGS[case]
-    for d in of_kind(objects, "Deployment"):
+    for d in workloads(objects):
         sel = d["spec"]["selector"]["matchLabels"]
         assert sel.items() <= pod_labels(d).items(), d["metadata"]["name"]
     for kind in ("Service", "PodDisruptionBudget"):
         for o in of_kind(objects, kind):
             selector = o["spec"]["selector"]
             selector = selector if kind != "Service" else {"matchLabels": selector}
-            assert len(deployments_selected(objects, selector)) == 1, o["metadata"]["name"]
+            assert len(workloads_selected(objects, selector)) == 1, o["metadata"]["name"]
     for policy in of_kind(objects, "NetworkPolicy"):
         spec = policy["spec"]
-        targets = deployments_selected(objects, spec["podSelector"])
+        targets = workloads_selected(objects, spec["podSelector"])
         assert targets, policy["metadata"]["name"]
         for rule in spec.get("ingress", []):
             for peer in rule.get("from", []):
                 if "podSelector" in peer:
-                    assert deployments_selected(objects, peer["podSelector"]), peer
+                    assert workloads_selected(objects, peer["podSelector"]), peer
             for port in rule.get("ports", []):
                 for d in targets:  # a named port must exist on every pod it guards
                     assert port["port"] in ports_of(d), (policy["metadata"]["name"], port)
@@ -90,10 +93,10 @@ def test_selectors_find_pods(case):
 def test_services_and_probes_use_container_ports(case):
     objects = RENDERINGS[case]
     for s in of_kind(objects, "Service"):
-        (d,) = deployments_selected(objects, {"matchLabels": s["spec"]["selector"]})
+        (d,) = workloads_selected(objects, {"matchLabels": s["spec"]["selector"]})
         for p in s["spec"]["ports"]:
             assert p["targetPort"] in ports_of(d), (s["metadata"]["name"], p)
-    for d in of_kind(objects, "Deployment"):
+    for d in workloads(objects):
         for c in containers(d):
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
                 if probe not in c:
@@ -114,7 +117,7 @@ def test_referenced_configmaps_secrets_and_claims_exist(case):
         if key is not None:
             assert key in {**obj.get("data", {}), **obj.get("stringData", {})}, (name, key)
 
-    for d in of_kind(objects, "Deployment"):
+    for d in workloads(objects):
         spec = d["spec"]["template"]["spec"]
         for v in spec.get("volumes", []):
             if "secret" in v:
@@ -148,7 +151,7 @@ def test_referenced_configmaps_secrets_and_claims_exist(case):
 def test_containers_run_tandem_with_arguments_it_accepts(case, monkeypatch):
     objects = RENDERINGS[case]
     dockerfile = (ROOT.parent.parent / "Dockerfile").read_text()
-    tandem = [d for d in of_kind(objects, "Deployment")
+    tandem = [d for d in workloads(objects)
               if containers(d)[0]["image"].split(":")[0] == "tandem"]
     assert {d["metadata"]["name"] for d in tandem} == {
         "tandem-gateway", "tandem-prefill", "tandem-decode"}
@@ -206,6 +209,55 @@ def _check_drain_fits(deployment: dict, container: dict, grace: float) -> None:
     liveness = container["livenessProbe"]
     if "grpc" in liveness:  # NOT_SERVING while draining: liveness must not kill the drain
         assert liveness["periodSeconds"] * liveness["failureThreshold"] > grace + DRAIN_MARGIN_S
+
+
+GROUP_CASES = [c for c in CASES if of_kind(RENDERINGS[c], "StatefulSet")]
+
+
+def test_a_multinode_group_is_rendered():
+    assert "overlays/nvidia-gpu-multinode" in GROUP_CASES
+    assert "base+components/multinode-tp" in GROUP_CASES
+
+
+@pytest.mark.parametrize("case", GROUP_CASES)
+def test_tensor_parallel_groups_span_their_pods(case):
+    """A StatefulSet is one worker whose tensor-parallel group spans its
+    pods: pod N is node rank N of replicas; every pod finds pod 0 by its
+    stable name on a headless Service that publishes it before it is ready;
+    the pods start together, reach each other on every port, and each has
+    the GPUs of its share of the ranks."""
+    objects = RENDERINGS[case]
+    for sts in of_kind(objects, "StatefulSet"):
+        name, spec = sts["metadata"]["name"], sts["spec"]
+        assert spec["podManagementPolicy"] == "Parallel", name  # the leader waits for the rest
+        service = named(objects, "Service", spec["serviceName"])
+        assert service["spec"]["clusterIP"] == "None", name
+        assert service["spec"].get("publishNotReadyAddresses") is True, name
+        assert selects({"matchLabels": service["spec"]["selector"]}, pod_labels(sts))
+        (c,) = containers(sts)
+        main = importlib.import_module(f"{c['command'][2]}.__main__")
+        p = worker_parser(main.DESCRIPTION, main.ROLES)
+        replicas = spec["replicas"]
+        for index in range(replicas):
+            env = container_env(objects, c, {**POD_FIELDS, POD_INDEX: str(index)})
+            config = config_from_args(p.parse_args([expand(a, env) for a in c["args"]]))
+            assert (config.node_rank, config.nnodes) == (index, replicas), name
+            assert config.master_addr in (f"{name}-0.{spec['serviceName']}",
+                                          f"{name}-0.{spec['serviceName']}.tandem.svc"), name
+            assert config.master_port in ports_of(sts).values(), name
+            gpus = c["resources"].get("limits", {}).get("nvidia.com/gpu")
+            if config.device.startswith("cuda"):
+                assert gpus == config.ranks_per_node, f"{name}: a GPU per rank of the node"
+        group_policies = [
+            n for n in of_kind(objects, "NetworkPolicy")
+            if selects(n["spec"]["podSelector"], pod_labels(sts))
+            and any("ports" not in rule and any(selects(peer.get("podSelector", {"x": 1}),
+                                                        pod_labels(sts))
+                                                for peer in rule.get("from", []))
+                    for rule in n["spec"].get("ingress", []))]
+        assert group_policies, f"{name}: its pods must reach each other on every port"
+    for scaler in of_kind(objects, "HorizontalPodAutoscaler") + of_kind(objects, "ScaledObject"):
+        assert scaler["spec"]["scaleTargetRef"].get("kind", "Deployment") != "StatefulSet"
 
 
 @pytest.mark.parametrize("case", CASES)

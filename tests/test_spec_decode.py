@@ -40,12 +40,15 @@ from tiny_models import build_tiny_model
 from engine.config import SpeculativeConfig
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.base import DraftRequest, Proposal, Proposer
+from engine.spec_decode.cost import FixedCosts
 from engine.spec_decode.ngram import NgramProposer
 from engine.spec_decode.verify import VerifyRows, verify
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
          "prompt_lookup_min": 2}
 GREEDY = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+# Decisions without timing: a guess costs nothing (engine/spec_decode/cost.py).
+EVERY_GUESS_PAYS = FixedCosts(token=1.0, step=0.0, row=0.0)
 
 
 class OracleProposer(Proposer):
@@ -174,6 +177,7 @@ def test_greedy_output_is_unchanged_with_oracle_proposals(model, setup):
     ref = generate(make_engine(d, **SETUPS[setup]), prompts, GREEDY)
     engine = make_engine(d, speculative_config={"num_speculative_tokens": 3}, **SETUPS[setup])
     engine.spec.proposer = OracleProposer([p + ref[str(i)][0] for i, p in enumerate(prompts)])
+    engine.spec.cost = EVERY_GUESS_PAYS
     steps = record_steps(engine)
     assert generate(engine, prompts, GREEDY) == ref
     stats = spec_stats(engine)
@@ -199,6 +203,7 @@ def test_blocks_of_rejected_drafts_are_given_back():
     ref = generate(make_engine(d, block_size=2), prompts, GREEDY)
     engine = make_engine(d, block_size=2, speculative_config={"num_speculative_tokens": 4})
     engine.spec.proposer = WrongProposer()
+    engine.spec.cost = EVERY_GUESS_PAYS  # no pause: every step rolls 4 drafts back
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, GREEDY)
     done, checked = {}, 0
@@ -231,6 +236,7 @@ def test_verification_on_the_other_attention_paths(backend):
     if backend == "torch-reference":
         engine.runner.backend.native = False
     engine.spec.proposer = OracleProposer([p + ref[str(i)][0] for i, p in enumerate(prompts)])
+    engine.spec.cost = EVERY_GUESS_PAYS
     assert generate(engine, prompts, params) == ref
     assert 0 < spec_stats(engine).num_accepted_tokens < spec_stats(engine).num_draft_tokens
     assert_all_free(engine)
@@ -362,19 +368,23 @@ class _Params:
         self.params = SamplingParams(**kw)
 
 
+@pytest.mark.parametrize("seeded", [True, False])
 @pytest.mark.parametrize("draft_kind", ["point", "distribution"])
-def test_rejection_sampling_emits_the_target_distribution(draft_kind):
+def test_rejection_sampling_emits_the_target_distribution(draft_kind, seeded):
     """Many one-token proposals verified in one call: the first emitted
-    token follows the target's softmax (chi-square), whatever the draft's q."""
+    token follows the target's softmax (chi-square), whatever the draft's q,
+    by the exponential race (point masses, seeded) or the general rule."""
     vocab, trials = 6, 4000
     gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)  # the unseeded rows' draws
     row = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 0.3], [0.0] * 6])
     target = torch.softmax(row[0], dim=-1)
     q = torch.tensor([[0.05, 0.1, 0.6, 0.1, 0.1, 0.05]]) if draft_kind == "distribution" else None
     drafts = [2] * trials if q is None else \
         torch.multinomial(q[0], trials, replacement=True, generator=gen).tolist()
     state = _Params(temperature=1.0)
-    seqs = [VerifyRows(state, [d], q, gen, 2 * i) for i, d in enumerate(drafts)]
+    seqs = [VerifyRows(state, [d], q, gen if seeded else None, 2 * i)
+            for i, d in enumerate(drafts)]
     emitted = verify(row.repeat(trials, 1), seqs, vocab)
     counts = torch.bincount(torch.tensor([t[0] for t in emitted]), minlength=vocab).float()
     expected = target * trials
@@ -394,7 +404,7 @@ class SameTokenProposer(Proposer):
 
 
 def test_sampled_engine_keeps_the_distribution_of_the_first_speculative_token():
-    """The (first, second) token pairs of many seeded samples, with and
+    """The (first, second) token pairs of many unseeded samples, with and
     without speculation on the second: the same distribution (two-sample
     chi-square). Top-k 4 keeps the pairs few enough to count."""
     d, _ = tiny()
@@ -402,7 +412,7 @@ def test_sampled_engine_keeps_the_distribution_of_the_first_speculative_token():
     greedy = generate(make_engine(d), [prompt], SamplingParams(temperature=0, max_tokens=2))
     second = greedy["0"][0][1]
     num = 400
-    params = [SamplingParams(temperature=1.0, top_k=4, max_tokens=3, seed=s) for s in range(num)]
+    params = SamplingParams(temperature=1.0, top_k=4, max_tokens=3)
 
     def pairs(engine):
         out = generate(engine, [prompt] * num, params)
@@ -412,11 +422,12 @@ def test_sampled_engine_keeps_the_distribution_of_the_first_speculative_token():
             counts[key] = counts.get(key, 0) + 1
         return counts
 
+    torch.manual_seed(0)
     base = pairs(make_engine(d, num_blocks=1024, max_num_seqs=num))
     engine = make_engine(d, num_blocks=1024, max_num_seqs=num,
                          speculative_config={"num_speculative_tokens": 1})
     engine.spec.proposer = SameTokenProposer(second)
-    engine.spec.fixed_to_row = 1e9  # every sequence guesses, whatever the batch (drafter.py)
+    engine.spec.cost = EVERY_GUESS_PAYS
     spec = pairs(engine)
     stats = spec_stats(engine)
     assert stats.num_drafts == num and 0 < stats.num_accepted_tokens < num
@@ -425,6 +436,28 @@ def test_sampled_engine_keeps_the_distribution_of_the_first_speculative_token():
                for k in keys)
     assert chi2 < chi2_critical(len(keys) - 1), (base, spec)
     assert_all_free(engine)
+
+
+def test_a_seed_gives_the_same_text_with_and_without_speculation():
+    """Seeded samples draw one noise vector per emitted token, verifying or
+    not (verify.py): the text of each seed is the one without speculation,
+    whether the drafter guesses every time or never."""
+    d = bigram("llama-gqa")
+    prompts = random_prompts([6, 9, 12], seed=7)
+    # Cool enough that the bigram model still cycles and n-gram lookups hit.
+    params = [SamplingParams(temperature=0.5, max_tokens=40, seed=s, ignore_eos=True)
+              for s in (1, 2, 3)]
+    ref = generate(make_engine(d), prompts, params)
+    for costs in (EVERY_GUESS_PAYS, FixedCosts(token=1.0, step=0.0, row=2.0)):
+        engine = make_engine(d, speculative_config=NGRAM)
+        engine.spec.cost = costs
+        assert generate(engine, prompts, params) == ref
+        stats = spec_stats(engine)
+        if costs is EVERY_GUESS_PAYS:
+            assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+        else:  # no guess pays: only probes, one guess each
+            assert stats.num_draft_tokens == stats.num_drafts
+        assert_all_free(engine)
 
 
 def test_a_seed_gives_the_same_text_alone_or_in_a_batch():
@@ -498,3 +531,43 @@ def test_disaggregated_equals_colocated_equals_offline():
         # What `tandem bench serve --metrics-url` reads.
         summary = spec_metrics.scrape(f"http://127.0.0.1:{split[1].metrics_port}/metrics").summary()
         assert summary is not None and 0 < summary["acceptance_rate"] <= 1
+
+
+def test_draft_model_disaggregated_equals_colocated_equals_offline():
+    """A decode worker speculating with a draft model behind a prefill worker
+    (which runs the target only: the decode worker prefills the draft
+    itself, docs/architecture.md) gives the offline text, and so does a
+    colocated worker with a smaller draft (one layer, random weights, the
+    same vocabulary)."""
+    from gateway_fixtures import start_gateway, start_workers, wait_blocks_free
+    from worker_fixtures import metric, scrape
+
+    from tandem.cluster import LocalCluster
+
+    model = bigram("llama-gqa")
+    one_layer, _ = build_tiny_model("llama-gqa", root() / "draft-1-layer", num_hidden_layers=1)
+
+    def flag(draft):
+        return ["--speculative-config",
+                json.dumps({"model": str(draft), "num_speculative_tokens": 3})]
+
+    prompt = "the quick brown fox"
+    want = run_one(make_engine(model), prompt, SamplingParams(temperature=0, max_tokens=40,
+                                                              ignore_eos=True)).text
+    with LocalCluster() as cluster:
+        # The target as its own draft on the decode worker: its guesses hold.
+        split = start_workers(cluster, ["prefill", "decode"], 64, *flag(model), model=model,
+                              metrics=True)
+        both = start_workers(cluster, ["both"], 64, *flag(one_layer), model=model, metrics=True)
+        texts = []
+        for workers in (split, both):
+            gateway = start_gateway(cluster, workers, model=model)
+            with gateway.client() as client:
+                texts.append(client.completions.create(
+                    model="tiny-llama", prompt=prompt, max_tokens=40, temperature=0,
+                    extra_body={"ignore_eos": True}).choices[0].text)
+            wait_blocks_free(workers)
+        assert texts == [want, want]
+        assert metric(scrape(split[1].metrics_port), "vllm:spec_decode_num_accepted_tokens_total") > 0
+        assert metric(scrape(both[0].metrics_port), "vllm:spec_decode_num_drafts_total") > 0
+        assert not metric(scrape(split[0].metrics_port), "vllm:spec_decode_num_drafts_total")

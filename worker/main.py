@@ -23,6 +23,7 @@ from rpc.tls import add_tls_arguments, tls_from_args
 from rpc.tracing import setup_tracing
 from worker.base import WorkerBase
 from worker.cpu_cores import format_cores, pin_to_cores
+from worker.node import serve_node
 from worker.peers import PeerPolicy
 from worker.registry import Registration
 from worker.servicer import WorkerServicer
@@ -86,7 +87,8 @@ def run(make_worker: WorkerFactory, description: str, roles: list[str],
     die_with_parent()
     p = parser(description, roles)
     args = p.parse_args(argv)
-    try:  # bad TLS files or peers end the start-up here, before the model loads
+    try:  # bad flags, TLS files or peers end the start-up here, before the model loads
+        config = config_from_args(args)
         args.tls = tls_from_args(args)
         args.peers = PeerPolicy(args.peer, args.state_url)
         args.transports = TransportConfig.parse(
@@ -97,7 +99,12 @@ def run(make_worker: WorkerFactory, description: str, roles: list[str],
         p.error(str(exc))
     if args.tls.enabled and not args.tls.mutual:
         p.error("a worker's TLS is mTLS: give --tls-ca-file too (peers are checked against it)")
+    if config.nnodes > 1 and args.tls.enabled and not args.tls.allow_torch_transport:
+        p.error("--nnodes > 1 under TLS: the ranks' traffic between nodes is neither encrypted "
+                "nor authenticated; add --tls-allow-torch-transport on a trusted network")
     setup_logging(args.log_format)
+    if config.node_rank > 0:  # another node's ranks of the leader's group: no API of its own
+        raise SystemExit(asyncio.run(serve_node(args, config)))
     setup_tracing(f"tandem-{args.role}")
     asyncio.run(serve(make_worker, args))
 

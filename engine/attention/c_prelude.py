@@ -10,6 +10,7 @@ VECTOR_MATH = r"""
 typedef float vf __attribute__((vector_size(64)));
 typedef int32_t vi __attribute__((vector_size(64)));
 typedef uint32_t vu __attribute__((vector_size(64)));
+typedef uint16_t vh __attribute__((vector_size(32)));
 
 static inline vf splat(float x) { return (vf){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 
@@ -50,5 +51,37 @@ static inline uint16_t bf16_out(float f) { /* round to nearest even, as torch */
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
     u += 0x7fffu + ((u >> 16) & 1u);
     return (uint16_t)(u >> 16);
+}
+
+/* 16 bfloat16 values in and out at once; the same rounding as bf16_out. */
+static inline vf bf16_load16(const uint16_t *p) {
+    vh h;
+    memcpy(&h, p, sizeof h);
+    vu u = __builtin_convertvector(h, vu) << 16;
+    vf f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* The float32 bits of x rounded to bfloat16 (low 16 bits zero). */
+static inline vu bf16_bits16(vf x) {
+    vu u;
+    memcpy(&u, &x, sizeof u);
+    vu nan = (vu)((u & 0x7fffffffu) > 0x7f800000u);
+    vu rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    return (rounded & ~nan) | ((u | 0x400000u) & 0xffff0000u & nan);
+}
+
+static inline void bf16_store16(uint16_t *p, vf x) {
+    vh h = __builtin_convertvector(bf16_bits16(x) >> 16, vh);
+    memcpy(p, &h, sizeof h);
+}
+
+/* x rounded to bfloat16 and back: what a bf16 intermediate keeps of it. */
+static inline vf bf16_round16(vf x) {
+    vu u = bf16_bits16(x);
+    vf f;
+    memcpy(&f, &u, sizeof f);
+    return f;
 }
 """

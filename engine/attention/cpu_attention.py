@@ -30,6 +30,7 @@ from engine.attention.c_prelude import VECTOR_MATH
 from kernels import reference
 
 _SOURCE = VECTOR_MATH + r"""
+#include <omp.h>
 #include <stdlib.h>
 
 enum { F32 = 0, BF16 = 1 };
@@ -37,8 +38,6 @@ enum { F32 = 0, BF16 = 1 };
 #define MAX_VECS 16   /* head_dim <= 256 */
 #define MAX_ROWS 16   /* query rows per work item: tokens x query heads per kv head */
 #define CHUNK 32      /* keys per online-softmax step */
-
-typedef uint16_t vh __attribute__((vector_size(32)));
 
 /* 16 elements as float32; bf16 is the top half of a float32. */
 static inline __attribute__((always_inline)) vf load(const void *p, int dtype) {
@@ -88,15 +87,15 @@ static inline float hmax(vf v) {
 static inline __attribute__((always_inline)) void attend_tile(
     void *out, int64_t os0, int64_t os1, const void *query, int64_t qs0, int64_t qs1,
     const char *k_cache, const char *v_cache, int64_t cs0, int64_t cs1, int64_t cs2,
-    const int32_t *table, int64_t t0, int nt, int ctx0, int g, int group, const int nv,
+    const int32_t *table, int64_t t0, int nt, int ctx0, int g, int hk, int group, const int nv,
     int block_size, float scale, const int dtype)
 {
     const int esz = dtype == F32 ? 4 : 2;
-    const int rows = nt * group;
+    const int per_token = hk * group, rows = nt * per_token;
     vf q[MAX_ROWS][MAX_VECS], acc[MAX_ROWS][MAX_VECS];
     float sc[MAX_ROWS][CHUNK] __attribute__((aligned(64))), m[MAX_ROWS], l[MAX_ROWS];
     for (int r = 0; r < rows; r++) {
-        int64_t t = t0 + r / group, h = (int64_t)g * group + r % group;
+        int64_t t = t0 + r / per_token, h = (int64_t)g * group + r % per_token;
         const char *qr = (const char *)query + (t * qs0 + h * qs1) * esz;
         for (int j = 0; j < nv; j++) {
             q[r][j] = load(qr + j * W * esz, dtype);
@@ -111,16 +110,19 @@ static inline __attribute__((always_inline)) void attend_tile(
         for (int i = 0; i < n; i++) {
             int pos = c0 + i;
             int64_t off = (int64_t)table[pos / block_size] * cs0 + (pos % block_size) * cs1 + g * cs2;
-            vf k[MAX_VECS];
-            for (int j = 0; j < nv; j++) k[j] = load(k_cache + (off + j * W) * esz, dtype);
-            for (int r = 0; r < rows; r++) {
-                vf s = q[r][0] * k[0];
-                for (int j = 1; j < nv; j++) s += q[r][j] * k[j];
-                sc[r][i] = hsum(s) * scale;
+            for (int kh = 0; kh < hk; kh++) {
+                vf k[MAX_VECS];
+                for (int j = 0; j < nv; j++) k[j] = load(k_cache + (off + kh * cs2 + j * W) * esz, dtype);
+                for (int ti = 0; ti < nt; ti++)
+                    for (int r = ti * per_token + kh * group; r < ti * per_token + (kh + 1) * group; r++) {
+                        vf s = q[r][0] * k[0];
+                        for (int j = 1; j < nv; j++) s += q[r][j] * k[j];
+                        sc[r][i] = hsum(s) * scale;
+                    }
             }
         }
         for (int r = 0; r < rows; r++) {
-            int valid = ctx0 + r / group - c0;  /* keys of this chunk row r sees */
+            int valid = ctx0 + r / per_token - c0;  /* keys of this chunk row r sees */
             valid = valid < 0 ? 0 : valid < n ? valid : n;
             for (int i = valid; i < CHUNK; i++) sc[r][i] = -INFINITY;
             vf v0, v1;
@@ -144,18 +146,21 @@ static inline __attribute__((always_inline)) void attend_tile(
         for (int i = 0; i < n; i++) {
             int pos = c0 + i;
             int64_t off = (int64_t)table[pos / block_size] * cs0 + (pos % block_size) * cs1 + g * cs2;
-            vf v[MAX_VECS];
-            for (int j = 0; j < nv; j++) v[j] = load(v_cache + (off + j * W) * esz, dtype);
-            /* Rows of tokens that do not see key `pos` have p = 0: skip them. */
-            int first = pos < ctx0 ? 0 : (pos - ctx0 + 1) * group;
-            for (int r = first; r < rows; r++) {
-                vf p = splat(sc[r][i]);
-                for (int j = 0; j < nv; j++) acc[r][j] += p * v[j];
+            /* Tokens before `first_token` do not see key `pos` (p = 0): skipped. */
+            int first_token = pos < ctx0 ? 0 : pos - ctx0 + 1;
+            for (int kh = 0; kh < hk; kh++) {
+                vf v[MAX_VECS];
+                for (int j = 0; j < nv; j++) v[j] = load(v_cache + (off + kh * cs2 + j * W) * esz, dtype);
+                for (int ti = first_token; ti < nt; ti++)
+                    for (int r = ti * per_token + kh * group; r < ti * per_token + (kh + 1) * group; r++) {
+                        vf p = splat(sc[r][i]);
+                        for (int j = 0; j < nv; j++) acc[r][j] += p * v[j];
+                    }
             }
         }
     }
     for (int r = 0; r < rows; r++) {
-        int64_t t = t0 + r / group, h = (int64_t)g * group + r % group;
+        int64_t t = t0 + r / per_token, h = (int64_t)g * group + r % per_token;
         char *o = (char *)out + (t * os0 + h * os1) * esz;
         vf inv = splat(l[r] > 0.f ? 1.f / l[r] : 0.f);
         for (int j = 0; j < nv; j++) {
@@ -168,6 +173,125 @@ static inline __attribute__((always_inline)) void attend_tile(
         }
     }
 }
+
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+
+/* v[0..15] -> one vector whose lane i is the sum of v[i]'s lanes: a tree of
+   two-input shuffles that halves the vectors and their lanes at each level. */
+static inline vf reduce16(vf *v) {
+#define PICK(a, b, ...) __builtin_shuffle(a, b, (vi){__VA_ARGS__})
+    vf a[8], b[4], c[2];
+    for (int j = 0; j < 8; j++)
+        a[j] = PICK(v[2 * j], v[2 * j + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+             + PICK(v[2 * j], v[2 * j + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int j = 0; j < 4; j++)
+        b[j] = PICK(a[2 * j], a[2 * j + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)
+             + PICK(a[2 * j], a[2 * j + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int j = 0; j < 2; j++)
+        c[j] = PICK(b[2 * j], b[2 * j + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29)
+             + PICK(b[2 * j], b[2 * j + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    return PICK(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
+         + PICK(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#undef PICK
+}
+
+/* attend_tile for bfloat16 with AVX512-BF16, over `hk` adjacent kv heads
+   from `g` at once, so that one pass over the keys reads whole cache rows
+   (a token's heads are adjacent). Row r is token r / (hk * group) of the
+   tile and query head g * group + r % (hk * group). Each score is a dot
+   product of bfloat16 pairs accumulated in float32 (vdpbf16ps, products
+   exact), 16 keys at a time, their partial sums reduced together; softmax
+   and the weighted sum of values as in attend_tile, in float32. `np` =
+   32-element vectors per head row. */
+static inline __attribute__((always_inline)) void attend_tile_bf16(
+    void *out, int64_t os0, int64_t os1, const void *query, int64_t qs0, int64_t qs1,
+    const char *k_cache, const char *v_cache, int64_t cs0, int64_t cs1, int64_t cs2,
+    const int32_t *table, int64_t t0, int nt, int ctx0, int g, int hk, int group, const int np,
+    int block_size, float scale)
+{
+    const int per_token = hk * group, rows = nt * per_token, nv = 2 * np;
+    __m512bh q[MAX_ROWS][MAX_VECS / 2];
+    vf acc[MAX_ROWS][MAX_VECS];
+    float pr[MAX_ROWS][16] __attribute__((aligned(64))), m[MAX_ROWS], l[MAX_ROWS];
+    int64_t head_off[MAX_ROWS];  /* bytes from a token's first head to row r's kv head */
+    const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    for (int r = 0; r < rows; r++) {
+        int64_t t = t0 + r / per_token, h = (int64_t)g * group + r % per_token;
+        const char *qr = (const char *)query + (t * qs0 + h * qs1) * 2;
+        for (int j = 0; j < np; j++) memcpy(&q[r][j], qr + j * 64, 64);
+        for (int j = 0; j < nv; j++) acc[r][j] = splat(0.f);
+        head_off[r] = (r % per_token / group) * cs2 * 2;
+        m[r] = -INFINITY;
+        l[r] = 0.f;
+    }
+    const int ctx_max = ctx0 + nt - 1;
+    for (int c0 = 0; c0 < ctx_max; c0 += 16) {
+        int n = ctx_max - c0 < 16 ? ctx_max - c0 : 16;
+        const char *krow[16], *vrow[16];
+        for (int i = 0; i < 16; i++) {
+            int pos = c0 + (i < n ? i : 0);
+            int64_t off = (int64_t)table[pos / block_size] * cs0 + (pos % block_size) * cs1 + g * cs2;
+            krow[i] = k_cache + off * 2;
+            vrow[i] = v_cache + off * 2;
+        }
+        for (int r = 0; r < rows; r++) {
+            int valid = ctx0 + r / per_token - c0;  /* keys of this chunk row r sees */
+            valid = valid < 0 ? 0 : valid < n ? valid : n;
+            if (valid == 0) {
+                memset(pr[r], 0, sizeof pr[r]);
+                continue;
+            }
+            vf part[16];
+            for (int i = 0; i < 16; i++) {
+                vf a = splat(0.f);
+                for (int j = 0; j < np; j++) {
+                    __m512bh k;
+                    memcpy(&k, krow[i] + head_off[r] + j * 64, 64);
+                    a = _mm512_dpbf16_ps(a, q[r][j], k);
+                }
+                part[i] = a;
+            }
+            vf sc = reduce16(part) * splat(scale);
+            vi keep = lane < valid;
+            sc = (vf)(((vi)sc & keep) | ((vi)splat(-INFINITY) & ~keep));
+            float mx = hmax(sc);
+            mx = mx > m[r] ? mx : m[r];
+            vf p = vexp(sc - splat(mx));
+            p = (vf)((vi)p & keep);
+            float alpha = expf(m[r] - mx);
+            l[r] = l[r] * alpha + hsum(p);
+            m[r] = mx;
+            if (alpha != 1.f)
+                for (int j = 0; j < nv; j++) acc[r][j] *= splat(alpha);
+            memcpy(pr[r], &p, sizeof p);
+        }
+        for (int i = 0; i < n; i++) {
+            int pos = c0 + i;
+            /* Tokens before `first_token` of the tile do not see key `pos`. */
+            int first_token = pos < ctx0 ? 0 : pos - ctx0 + 1;
+            for (int kh = 0; kh < hk; kh++) {
+                vf v[MAX_VECS];
+                for (int j = 0; j < nv; j++) v[j] = load(vrow[i] + kh * cs2 * 2 + j * 32, BF16);
+                for (int ti = first_token; ti < nt; ti++)
+                    for (int r = ti * per_token + kh * group; r < ti * per_token + (kh + 1) * group; r++) {
+                        vf pv = splat(pr[r][i]);
+                        for (int j = 0; j < nv; j++) acc[r][j] += pv * v[j];
+                    }
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        int64_t t = t0 + r / per_token, h = (int64_t)g * group + r % per_token;
+        uint16_t *o = (uint16_t *)((char *)out + (t * os0 + h * os1) * 2);
+        vf inv = splat(l[r] > 0.f ? 1.f / l[r] : 0.f);
+        for (int j = 0; j < nv; j++) bf16_store16(o + j * W, acc[r][j] * inv);
+    }
+}
+#define HAVE_DPBF16 1
+#else
+#define HAVE_DPBF16 0
+#endif
 
 /* Copy each token's key and value rows into its cache slot (-1: skip).
    Caches are contiguous: a slot is `row` elements, kv head h at h * head_dim. */
@@ -214,24 +338,45 @@ int paged_attention(
             tiles[2 * k + 1] = t;
             k++;
         }
-    int64_t items = num_tiles * num_kv_heads;
-    /* kv heads innermost: neighbouring items read the same cache blocks. */
+    /* A work item is a tile and one kv head, or, for a batch of decodes
+       (one new token per sequence) large enough to share out, a sequence
+       and as many of its kv heads as MAX_ROWS query rows hold: one pass over
+       its keys then reads whole cache rows (a token's heads are adjacent)
+       and no two cores pull the same rows into their caches. Each query
+       row's arithmetic is the same either way. */
+    int all_decode = 1;
+    for (int s = 0; all_decode && s < num_seqs; s++)
+        all_decode = query_start_loc[s + 1] - query_start_loc[s] <= 1;
+    int hk = 1;
+    if (all_decode && num_tiles >= 8 * omp_get_max_threads())
+        for (hk = num_kv_heads; hk > 1 && (hk * group > MAX_ROWS || num_kv_heads % hk); hk--) {}
+    int64_t passes = num_kv_heads / hk, items = num_tiles * passes;
     #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t it = 0; it < items; it++) {
-        int s = tiles[2 * (it / num_kv_heads)], t0 = tiles[2 * (it / num_kv_heads) + 1];
-        int g = (int)(it % num_kv_heads);
+        int g = (int)(it % passes) * hk;
+        int64_t tile_index = it / passes;
+        int s = tiles[2 * tile_index], t0 = tiles[2 * tile_index + 1];
         int end = query_start_loc[s + 1], q_len = end - query_start_loc[s];
         int nt = end - t0 < tile ? end - t0 : tile;
         int ctx0 = seq_lens[s] - q_len + (t0 - query_start_loc[s]) + 1;
         const int32_t *table = block_tables + s * bts0;
 #define CALL(NV, DT) attend_tile(out, os0, os1, query, qs0, qs1, (const char *)k_cache, \
-        (const char *)v_cache, cs0, cs1, cs2, table, t0, nt, ctx0, g, group, NV, block_size, \
+        (const char *)v_cache, cs0, cs1, cs2, table, t0, nt, ctx0, g, hk, group, NV, block_size, \
         scale, DT)
+#define CALL_BF16(NP) attend_tile_bf16(out, os0, os1, query, qs0, qs1, (const char *)k_cache, \
+        (const char *)v_cache, cs0, cs1, cs2, table, t0, nt, ctx0, g, hk, group, NP, block_size, \
+        scale)
         if (dtype == BF16) {
+#if HAVE_DPBF16
+            if (nv == 4) CALL_BF16(2); else if (nv == 8) CALL_BF16(4);
+            else if (nv % 2 == 0) CALL_BF16(nv / 2); else CALL(nv, BF16);
+#else
             if (nv == 4) CALL(4, BF16); else if (nv == 8) CALL(8, BF16); else CALL(nv, BF16);
+#endif
         } else {
             if (nv == 4) CALL(4, F32); else if (nv == 8) CALL(8, F32); else CALL(nv, F32);
         }
+#undef CALL_BF16
 #undef CALL
     }
     free(tiles);

@@ -26,53 +26,80 @@ from engine.attention import cbuild
 from engine.attention.c_prelude import VECTOR_MATH
 
 _SOURCE = VECTOR_MATH + r"""
-/* res_out = bf16(x + res) (or x); out = bf16(w * bf16(r * rsqrt(mean(r^2) + eps))). */
+/* res_out = bf16(x + res) (or x); out = bf16(w * bf16(r * rsqrt(mean(r^2) + eps))).
+   16 columns at a time; the squares are summed in 16 lanes, then across them. */
 void rms_norm_bf16(uint16_t *out, uint16_t *res_out, const uint16_t *x, const uint16_t *res,
                    const uint16_t *weight, int64_t rows, int64_t cols, int64_t x_stride,
                    int64_t res_stride, float eps)
 {
-    #pragma omp parallel for schedule(static) if (rows * cols > 65536)
+    const int64_t vcols = cols - cols % 16;
+    #pragma omp parallel for schedule(static) if (rows * cols > 16384)
     for (int64_t i = 0; i < rows; i++) {
         const uint16_t *xi = x + i * x_stride;
         uint16_t *ri = res_out + i * cols, *oi = out + i * cols;
-        float sum = 0.f;
         if (res) {
             const uint16_t *si = res + i * res_stride;
-            for (int64_t j = 0; j < cols; j++) ri[j] = bf16_out(bf16_in(xi[j]) + bf16_in(si[j]));
+            for (int64_t j = 0; j < vcols; j += 16)
+                bf16_store16(ri + j, bf16_load16(xi + j) + bf16_load16(si + j));
+            for (int64_t j = vcols; j < cols; j++) ri[j] = bf16_out(bf16_in(xi[j]) + bf16_in(si[j]));
         } else {
             memcpy(ri, xi, cols * sizeof(uint16_t));
         }
-        #pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < cols; j++) {
-            float v = bf16_in(ri[j]);
-            sum += v * v;
+        vf acc = splat(0.f);
+        for (int64_t j = 0; j < vcols; j += 16) {
+            vf v = bf16_load16(ri + j);
+            acc += v * v;
         }
+        float sum = 0.f;
+        for (int l = 0; l < 16; l++) sum += acc[l];
+        for (int64_t j = vcols; j < cols; j++) sum += bf16_in(ri[j]) * bf16_in(ri[j]);
         float r = 1.f / sqrtf(sum / (float)cols + eps);
-        for (int64_t j = 0; j < cols; j++)
+        for (int64_t j = 0; j < vcols; j += 16)
+            bf16_store16(oi + j, bf16_load16(weight + j) * bf16_round16(bf16_load16(ri + j) * splat(r)));
+        for (int64_t j = vcols; j < cols; j++)
             oi[j] = bf16_out(bf16_in(weight[j]) * bf16_in(bf16_out(bf16_in(ri[j]) * r)));
     }
 }
 
 /* out = bf16(bf16(silu(gate)) * up) for x = [gate | up] rows, as F.silu(gate) * up. */
+static inline float silu_scalar(float g) {
+    return g / (1.f + expf(-(g < -87.f ? -87.f : g > 88.f ? 88.f : g)));
+}
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+/* silu(g) = g / (1 + exp(-g)) for 16 lanes: the exponential as vexp's
+   (2^n e^r, degree-6 polynomial) with fused multiply-adds. */
+static inline vf silu16(vf g) {
+    __m512 x = _mm512_max_ps(_mm512_min_ps(-g, splat(88.f)), splat(-87.f));
+    __m512 n = _mm512_roundscale_ps(x * splat(1.44269504f), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, splat(0.693145752f), x);
+    r = _mm512_fnmadd_ps(n, splat(1.42860677e-6f), r);
+    __m512 p = splat(1.f / 720);
+    p = _mm512_fmadd_ps(p, r, splat(1.f / 120));
+    p = _mm512_fmadd_ps(p, r, splat(1.f / 24));
+    p = _mm512_fmadd_ps(p, r, splat(1.f / 6));
+    p = _mm512_fmadd_ps(p, r, splat(0.5f));
+    p = _mm512_fmadd_ps(p, r, splat(1.f));
+    p = _mm512_fmadd_ps(p, r, splat(1.f));
+    return g / (_mm512_scalef_ps(p, n) + splat(1.f));
+}
+#else
+static inline vf silu16(vf g) { return g / (splat(1.f) + vexp(-g)); }
+#endif
+
 void silu_mul_bf16(uint16_t *out, const uint16_t *x, int64_t rows, int64_t inner,
                    int64_t x_stride)
 {
-    #pragma omp parallel for schedule(static) if (rows * inner > 65536)
+    const int64_t vinner = inner - inner % 16;
+    #pragma omp parallel for schedule(static) if (rows * inner > 16384)
     for (int64_t i = 0; i < rows; i++) {
         const uint16_t *gate = x + i * x_stride, *up = gate + inner;
         uint16_t *o = out + i * inner;
-        for (int64_t j0 = 0; j0 < inner; j0 += 16) {
-            int n = inner - j0 < 16 ? (int)(inner - j0) : 16;
-            float g[16] = {0};
-            for (int j = 0; j < n; j++) g[j] = bf16_in(gate[j0 + j]);
-            vf gv;
-            memcpy(&gv, g, sizeof gv);
-            vf e = vexp(-gv);
-            for (int j = 0; j < n; j++) {
-                float silu = bf16_in(bf16_out(g[j] / (1.f + e[j])));
-                o[j0 + j] = bf16_out(silu * bf16_in(up[j0 + j]));
-            }
-        }
+        for (int64_t j = 0; j < vinner; j += 16)
+            bf16_store16(o + j, bf16_round16(silu16(bf16_load16(gate + j))) * bf16_load16(up + j));
+        for (int64_t j = vinner; j < inner; j++)
+            o[j] = bf16_out(bf16_in(bf16_out(silu_scalar(bf16_in(gate[j])))) * bf16_in(up[j]));
     }
 }
 
@@ -99,6 +126,55 @@ void rotary_bf16(uint16_t *q, int64_t qs0, int64_t qs1, int q_heads,
         for (int h = 0; h < k_heads; h++) rotate_bf16(k + t * ks0 + h * ks1, c, s, half);
     }
 }
+
+/* out[i] = the first index of row i's largest value, as torch.argmax on the
+   rows widened to float32 (a NaN counts as the largest: its first index). */
+void argmax_bf16(int64_t *out, const uint16_t *x, int64_t rows, int64_t cols, int64_t stride)
+{
+    const int64_t vcols = cols - cols % 16;
+    #pragma omp parallel for schedule(static) if (rows * cols > 65536)
+    for (int64_t i = 0; i < rows; i++) {
+        const uint16_t *xi = x + i * stride;
+        int64_t arg = 0;
+        float best = bf16_in(xi[0]);
+        int nan = best != best;
+        if (vcols >= 16) {
+            const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+            vf vbest = bf16_load16(xi);
+            vi vidx = lane, vnan = vbest != vbest;
+            for (int64_t j = 16; j < vcols; j += 16) {
+                vf v = bf16_load16(xi + j);
+                vi gt = v > vbest;  /* strict: a lane keeps its first maximum */
+                vbest = (vf)(((vi)v & gt) | ((vi)vbest & ~gt));
+                vidx = ((lane + (int32_t)j) & gt) | (vidx & ~gt);
+                vnan |= v != v;
+            }
+            best = vbest[0];
+            arg = vidx[0];
+            for (int l = 1; l < 16; l++)
+                if (vbest[l] > best || (vbest[l] == best && vidx[l] < arg)) {
+                    best = vbest[l];
+                    arg = vidx[l];
+                }
+            for (int l = 0; l < 16; l++) nan |= vnan[l] != 0;
+        }
+        for (int64_t j = vcols > 0 ? vcols : 1; j < cols; j++) {
+            float v = bf16_in(xi[j]);
+            nan |= v != v;
+            if (v > best) {
+                best = v;
+                arg = j;
+            }
+        }
+        if (nan)
+            for (int64_t j = 0; j < cols; j++)
+                if (bf16_in(xi[j]) != bf16_in(xi[j])) {
+                    arg = j;
+                    break;
+                }
+        out[i] = arg;
+    }
+}
 """
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
@@ -114,6 +190,8 @@ def _lib():
                                   ctypes.c_float]
     lib.silu_mul_bf16.restype = None
     lib.silu_mul_bf16.argtypes = [_PTR, _PTR, _I64, _I64, _I64]
+    lib.argmax_bf16.restype = None
+    lib.argmax_bf16.argtypes = [_PTR, _PTR, _I64, _I64, _I64]
     lib.rotary_bf16.restype = None
     lib.rotary_bf16.argtypes = [_PTR, _I64, _I64, ctypes.c_int, _PTR, _I64, _I64, ctypes.c_int,
                                 _PTR, _PTR, _PTR, _I64, ctypes.c_int]
@@ -171,3 +249,12 @@ def rotary_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torc
         k.data_ptr(), k.stride(0), k.stride(1), k.shape[1],
         pos.data_ptr(), cos.data_ptr(), sin.data_ptr(), num_tokens, head_dim,
     )
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.float().argmax(-1)`` for 2-D bfloat16 ``logits`` (check
+    ``supports``), without the float32 copy: one pass over the rows."""
+    rows, cols = logits.shape
+    out = torch.empty(rows, dtype=torch.int64)
+    _lib().argmax_bf16(out.data_ptr(), logits.data_ptr(), rows, cols, logits.stride(0))
+    return out

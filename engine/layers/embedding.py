@@ -37,11 +37,14 @@ class VocabParallelEmbedding(nn.Module):
 
 def vocab_logits(hidden: torch.Tensor, weight: torch.Tensor, tp: TensorParallel,
                  packed: PackedWeight | None = None) -> torch.Tensor | None:
-    """Float32 logits ``[num_rows, vocab]`` on rank 0 (None on the others)
-    from each rank's vocabulary slice of the head's ``weight`` (multiplied
-    through ``packed``, the weight's packed copy, when given)."""
-    local = (F.linear(hidden, weight) if packed is None else packed.linear(hidden, weight)).float()
+    """Logits ``[num_rows, vocab]`` on rank 0 (None on the others) from each
+    rank's vocabulary slice of the head's ``weight`` (multiplied through
+    ``packed``, the weight's packed copy, when given): in the model's dtype
+    on one rank (consumers widen them to float32 where they need to), in
+    float32 when gathered from several."""
+    local = F.linear(hidden, weight) if packed is None else packed.linear(hidden, weight)
     if tp.size == 1:
         return local
+    local = local.float()
     parts = tp.gather(local)
     return None if parts is None else torch.cat(parts, dim=1)

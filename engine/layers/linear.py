@@ -1,4 +1,5 @@
-"""Linear layers: plain, or with GPTQ/AWQ weight-only quantized weights.
+"""Linear layers: plain, or with GPTQ/AWQ/compressed-tensors pack-quantized
+weight-only integer weights.
 
 Parameters say how a checkpoint shard fills them: ``output_dim`` is the
 dimension that runs over output features (0 for ``nn.Linear``'s weight and
@@ -16,8 +17,9 @@ from torch import nn
 from engine.layers.packed import Linear
 from engine.layers.scaled_linear import ScaledLinear
 from engine.parallel import TensorParallel
-from engine.quantization import QuantConfig
+from engine.quantization import QuantConfig, packed
 from engine.quantization.compressed_config import CompressedConfig
+from engine.quantization.config import PACKED_METHOD
 from engine.quantization.formats import to_tandem
 from kernels import reference
 
@@ -40,7 +42,7 @@ def linear(
     local_in = in_features // size if parallel == "row" else in_features
     local_out = out_features // size if parallel == "column" else out_features
     if isinstance(quant, CompressedConfig):  # 8-bit weights with per-row scales
-        return ScaledLinear(local_in, local_out, bias, quant, parallel)
+        return ScaledLinear(local_in, local_out, bias, quant, parallel, fused)
     if quant is None:
         layer = Linear(local_in, local_out, bias=bias)
         if parallel is not None:
@@ -74,7 +76,7 @@ class QuantLinear(nn.Module):
                 f"{quant.method} {quant.bits}-bit weights in groups of {group}: the input size "
                 f"must be a multiple of the group size, and each rank's of {pack}"
             )
-        self.quant = quant
+        self.quant, self.full_in_features = quant, full_in
         groups = full_in // group
         column, row = parallel == "column", parallel == "row"
 
@@ -88,7 +90,10 @@ class QuantLinear(nn.Module):
         self.qweight = param(torch.zeros(in_features // pack, out_features, dtype=torch.int32), 1,
                              1 if column else 0)
         self.scales = param(torch.ones(groups, out_features), 1, 1 if column else None)
-        self.zeros = param(torch.zeros(groups, out_features), 1, 1 if column else None)
+        # Symmetric compressed-tensors weights store no zero points: all sit at the offset.
+        self.zeros = param(torch.full((groups, out_features), float(quant.zero_offset)), 1,
+                           1 if column else None)
+        self.zeros.optional = not quant.stored_zeros
         first_row = rank * in_features if row else 0
         rows = torch.arange(first_row, first_row + in_features, dtype=torch.int32)
         self.g_idx = param(rows // group, None, 0 if row else None)
@@ -101,9 +106,18 @@ class QuantLinear(nn.Module):
         else:
             self._matmul = reference.quant_matmul
 
-    def checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
-        """A checkpoint tensor of this layer -> (parameter name, value)."""
-        return to_tandem(self.quant, name, tensor)
+    def checkpoint_tensor(self, name: str, tensor: torch.Tensor
+                          ) -> tuple[str, torch.Tensor] | None:
+        """A checkpoint tensor of this layer -> (parameter name, value), or
+        None for one that is only checked (compressed-tensors' weight_shape)."""
+        if self.quant.method != PACKED_METHOD:
+            return to_tandem(self.quant, name, tensor)
+        if name == "weight_shape":
+            if tensor.numel() != 2 or int(tensor[1]) != self.full_in_features:
+                raise ValueError(f"weight_shape {tensor.tolist()} does not match a layer of "
+                                 f"{self.full_in_features} inputs")
+            return None
+        return packed.to_tandem(self.quant, name, tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._matmul(x, self.qweight, self.scales, self.zeros, self.g_idx, self.quant.bits)

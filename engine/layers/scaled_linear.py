@@ -2,11 +2,16 @@
 FP8/INT8, and ``quantization="fp8"`` at load): engine/quantization/compressed.py
 says the format.
 
-The forward is the torch reference: the weight is dequantized on every call
-(``weight * weight_scale`` in float32, then the input's dtype) and, for a W8A8
-scheme, the input is quantized and scaled back the way the 8-bit matmul would
-see it. That is exact to the format and costs a dequantization per call
-(benchmarks/quantized.py measures it); the memory saved is the weights' at rest.
+On the CPU the forward is the torch reference: the weight is dequantized on
+every call (``weight * weight_scale`` in float32, then the input's dtype).
+That is exact to the format and costs a dequantization per call
+(benchmarks/scaled_linear_cpu.py measures it); the memory saved is the
+weights' at rest. INT8 weights under bfloat16 inputs of a few rows (decode)
+instead take torch's int8 weight-only GEMV, which reads the 8-bit weight
+once and beats even a bfloat16 ``F.linear`` there. With fused layers (the Triton backend, on CUDA) the matmul
+is ``kernels.scaled_matmul``, which reads the 8-bit weights as they are. For
+a W8A8 scheme either path first quantizes the input and scales it back, the
+way an 8-bit matmul would see it.
 """
 
 from __future__ import annotations
@@ -23,6 +28,11 @@ from engine.quantization.compressed import (
 )
 from engine.quantization.compressed_config import CompressedConfig
 
+# torch's CPU int8 GEMV costs one pass over the weight per input row, so past
+# this many rows dequantizing once and multiplying is cheaper (measured on
+# SmolLM2's shapes: docs/benchmarks.md).
+INT8_GEMV_MAX_ROWS = 32
+
 
 class ScaledLinear(nn.Module):
     """``y = x @ (weight * weight_scale[:, None]).T + b``; ``weight`` ``[out, in]``.
@@ -33,9 +43,14 @@ class ScaledLinear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, cfg: CompressedConfig,
-                 parallel: str | None = None) -> None:
+                 parallel: str | None = None, fused: bool = False) -> None:
         super().__init__()
         self.cfg = cfg
+        self._kernel = None
+        if fused:
+            from kernels.scaled_matmul import scaled_matmul  # imports triton: only where it runs
+
+            self._kernel = scaled_matmul
         column = parallel == "column"
 
         def param(t: torch.Tensor, tp_dim: int | None) -> nn.Parameter:
@@ -54,6 +69,10 @@ class ScaledLinear(nn.Module):
         self.weight_scale.broadcast_scalar = True  # a per-tensor scale fills its shard's rows
         self.weight_scale.optional = cfg.online
         self.bias = param(torch.zeros(out_features), 0) if bias else None
+        # NOTE: torch._weight_int8pack_mm is a private op; with in_features not
+        # a multiple of 16 it returns garbage or crashes, so ask for 32.
+        self._int8_gemv = (not fused and cfg.weight_type == "int" and in_features % 32 == 0
+                           and hasattr(torch, "_weight_int8pack_mm"))
 
     def checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
         """A checkpoint tensor of this layer -> (parameter name, value)."""
@@ -82,5 +101,15 @@ class ScaledLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.cfg.activations is not None:
             x = fake_quantize_input(x, self.cfg)
-        w = dequantize_weight(self.weight, self.weight_scale).to(x.dtype)
-        return F.linear(x, w, self.bias)
+        if self._kernel is not None:
+            y = self._kernel(x, self.weight, self.weight_scale)
+        elif (self._int8_gemv and x.is_cpu and x.dtype == torch.bfloat16 and x.dim() == 2
+              and x.shape[0] <= INT8_GEMV_MAX_ROWS):
+            # The sum is float32 over the exact integers; the scale is rounded
+            # to bfloat16 (the op's contract), about the output's own rounding.
+            y = torch._weight_int8pack_mm(x.contiguous(), self.weight,
+                                          self.weight_scale.to(torch.bfloat16))
+        else:
+            w = dequantize_weight(self.weight, self.weight_scale).to(x.dtype)
+            return F.linear(x, w, self.bias)
+        return y if self.bias is None else y + self.bias

@@ -133,9 +133,9 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Float32 logits of ``hidden``'s rows on rank 0; every rank calls it
-        with the same rows (with tensor parallelism each scores its slice of
-        the vocabulary), the others get None."""
+        """Logits of ``hidden``'s rows on rank 0 (their dtype: ``vocab_logits``);
+        every rank calls it with the same rows (with tensor parallelism each
+        scores its slice of the vocabulary), the others get None."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return vocab_logits(hidden, weight, self.tp, self.head_packed)
 
@@ -164,7 +164,10 @@ class LlamaForCausalLM(nn.Module):
                     target = ".".join(parts[:i] + [our] + parts[i + 1 :])
             owner, _, leaf = target.rpartition(".")
             if hasattr(modules.get(owner), "checkpoint_tensor"):
-                leaf, tensor = modules[owner].checkpoint_tensor(leaf, tensor)
+                converted = modules[owner].checkpoint_tensor(leaf, tensor)
+                if converted is None:  # only checked (compressed-tensors' weight_shape)
+                    continue
+                leaf, tensor = converted
                 target = f"{owner}.{leaf}"
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} matches no parameter of the model")

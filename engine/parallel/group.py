@@ -33,9 +33,11 @@ class TensorParallel:
         # interleave their collectives.
         self.lock = threading.Lock()
         self._store: dist.TCPStore | None = None  # the rendezvous, kept alive
-        # The first failure of a command; from then on none is sent.
+        # The first failure of a command (or of a rank, seen between
+        # commands); from then on none is sent.
         self.broken: Exception | None = None
-        # Called (from whichever thread failed) when the group breaks.
+        self._broken_lock = threading.Lock()
+        # Called once (from whichever thread failed) when the group breaks.
         self.on_broken: list[Callable[[], None]] = []
 
     @contextmanager
@@ -50,12 +52,21 @@ class TensorParallel:
             try:
                 yield
             except Exception as exc:
-                self.broken = exc
-                for watcher in self.on_broken:
-                    watcher()
+                self.fail(exc)
                 if isinstance(exc, EngineUnusable):
                     raise
                 raise EngineUnusable(f"tensor-parallel group failed: {exc}") from exc
+
+    def fail(self, exc: Exception) -> None:
+        """Mark the group broken (from any thread; the first failure wins) and
+        tell the watchers, once: a rank seen gone between commands breaks it
+        as a failed command does."""
+        with self._broken_lock:
+            if self.broken is not None:
+                return
+            self.broken = exc
+        for watcher in self.on_broken:
+            watcher()
 
     def split(self, total: int, what: str) -> int:
         """This rank's share of ``total`` (heads, columns); ValueError unless
@@ -66,11 +77,13 @@ class TensorParallel:
             )
         return total // self.size
 
-    def host(self) -> str:
-        """Rank 0: start the group's rendezvous store on a port the system
+    def host(self, host: str | None = None) -> str:
+        """Rank 0: start the group's rendezvous store on ``host`` (None:
+        127.0.0.1, for ranks on this machine only), at a port the system
         picks (no port to guess and race for); returns its address."""
-        self._store = listening_store("127.0.0.1", COLLECTIVE_TIMEOUT, self.size)
-        return f"127.0.0.1:{self._store.port}"
+        host = host or "127.0.0.1"
+        self._store = listening_store(host, COLLECTIVE_TIMEOUT, self.size)
+        return f"{host}:{self._store.port}"
 
     def join(self, address: str, backend: str) -> None:
         """Form the group: every rank calls this with rank 0's ``host()``."""

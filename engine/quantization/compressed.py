@@ -11,8 +11,9 @@ Each linear layer stores ``weight`` ``[out, in]`` in float8_e4m3fn or int8
 and ``weight_scale`` (``[1]`` per tensor, ``[out, 1]`` per channel):
 ``W = weight * weight_scale``. The formats read are ``float-quantized``,
 ``int-quantized`` and ``naive-quantized`` (integers as int8 tensors);
-``pack-quantized`` (int32 words), static activation scales, zero points,
-groups and 4-bit weights are refused at start with a message.
+static activation scales, zero points and groups are refused at start with a
+message. ``pack-quantized`` checkpoints (4- or 8-bit integers in int32 words,
+llm-compressor's WnA16) are another layer's: engine/quantization/packed.py.
 
 Tandem computes with per-row scales: a per-tensor scale fills the rows of its
 layer (each shard of a fused q/k/v or gate/up layer keeps its own).

@@ -1,4 +1,6 @@
-"""The ``quantization_config`` of a GPTQ or AWQ checkpoint's config.json."""
+"""The ``quantization_config`` of a GPTQ or AWQ checkpoint's config.json, and
+the integer weights of a compressed-tensors ``pack-quantized`` one
+(engine/quantization/packed.py), which load into the same layer."""
 
 from __future__ import annotations
 
@@ -6,6 +8,8 @@ from dataclasses import dataclass
 from typing import Any
 
 SUPPORTED_METHODS = ("gptq", "awq")
+# compressed-tensors' pack-quantized integers (read by compressed_config.py).
+PACKED_METHOD = "compressed-tensors"
 
 
 @dataclass(frozen=True)
@@ -18,7 +22,10 @@ class QuantConfig:
     LM head stay in the model's dtype.
 
     ``zero_offset`` is what the checkpoint's stored zero points lack: 1 for
-    GPTQ's original format (it stores zero - 1), 0 for ``gptq_v2`` and AWQ.
+    GPTQ's original format (it stores zero - 1), 0 for ``gptq_v2`` and AWQ,
+    ``2**(bits-1)`` for compressed-tensors, whose integers are signed.
+    ``stored_zeros`` False: the checkpoint holds no zero points (symmetric
+    compressed-tensors weights), every zero is ``zero_offset``.
     """
 
     method: str
@@ -26,14 +33,15 @@ class QuantConfig:
     group_size: int  # -1: one group spanning the whole input
     desc_act: bool = False
     zero_offset: int = 0
+    stored_zeros: bool = True
 
     def __post_init__(self) -> None:
-        if self.method not in SUPPORTED_METHODS:
+        if self.method not in (*SUPPORTED_METHODS, PACKED_METHOD):
             raise ValueError(
                 f"unsupported quantization method {self.method!r}; "
                 f"Tandem supports {', '.join(SUPPORTED_METHODS)}"
             )
-        allowed = (4, 8) if self.method == "gptq" else (4,)
+        allowed = (4,) if self.method == "awq" else (4, 8)
         if self.bits not in allowed:
             raise ValueError(
                 f"{self.method} with {self.bits}-bit weights is not supported; "

@@ -1,5 +1,5 @@
-"""Quantize a float checkpoint into GPTQ, AWQ or compressed-tensors (FP8/INT8)
-files (``tandem quantize``).
+"""Quantize a float checkpoint into GPTQ, AWQ or compressed-tensors (FP8/INT8
+with scales, or pack-quantized 4/8-bit integers) files (``tandem quantize``).
 
 Round-to-nearest with per-group min/max: the file formats of GPTQ and AWQ,
 not their calibration algorithms (those need data and a GPU, and choose
@@ -20,8 +20,8 @@ from safetensors.torch import save_file
 
 from engine.loader.resolve import resolve_model_dir
 from engine.loader.weights import iterate_weights
-from engine.quantization import compressed, compressed_config
-from engine.quantization.config import QuantConfig
+from engine.quantization import compressed, compressed_config, packed
+from engine.quantization.config import PACKED_METHOD, QuantConfig
 from engine.quantization.formats import checkpoint_tensors
 
 # The decoder's linear layers, by their Hugging Face names.
@@ -63,6 +63,8 @@ def quantize_weights(
         prefix = name.removesuffix(".weight")
         if isinstance(quant, compressed_config.CompressedConfig):
             written = compressed.checkpoint_tensors(quant, tensor)
+        elif quant.method == PACKED_METHOD:
+            written = packed.checkpoint_tensors(quant, tensor)
         else:
             g_idx = g_idx_of(name, tensor) if g_idx_of is not None else None
             written = checkpoint_tensors(quant, tensor, g_idx)
@@ -88,8 +90,9 @@ def save_model(src: Path, out: Path, tensors: dict[str, torch.Tensor],
 def quantize_model(model: str | None, out: Path, method: str, bits: int, group_size: int) -> Path:
     """Write ``model`` (a directory, a .gguf, None: the bundled default)
     quantized into ``out``, a new directory; returns it. ``method`` is gptq,
-    awq, or a compressed-tensors scheme of ``compressed_config.SCHEMES`` (8-bit
-    weights; ``bits`` and ``group_size`` are then unused)."""
+    awq, a pack-quantized scheme of ``compressed_config.PACKED_SCHEMES``, or
+    one of ``compressed_config.SCHEMES`` (8-bit weights with scales; ``bits``
+    and ``group_size`` are then unused)."""
     src = resolve_model_dir(model)
     out = Path(out)
     if out.exists():
@@ -101,6 +104,12 @@ def quantize_model(model: str | None, out: Path, method: str, bits: int, group_s
         cfg = scheme.to_dict()
         tensors = quantize_weights(iterate_weights(src), scheme)
         return save_model(src, out, tensors, {"quantization_config": cfg})
-    cfg = quant_config_dict(method, bits, group_size)
-    tensors = quantize_weights(iterate_weights(src), QuantConfig.from_dict(cfg))
+    if method in compressed_config.PACKED_SCHEMES:
+        symmetric = compressed_config.PACKED_SCHEMES[method]
+        cfg = compressed_config.packed_config_dict(bits, group_size, symmetric)
+        quant = compressed_config.read_config(cfg)
+    else:
+        cfg = quant_config_dict(method, bits, group_size)
+        quant = QuantConfig.from_dict(cfg)
+    tensors = quantize_weights(iterate_weights(src), quant)
     return save_model(src, out, tensors, {"quantization_config": cfg})

@@ -8,51 +8,67 @@ penalties, ``min_tokens`` reached), and it has room: a guess past
 ``max_tokens`` or the model's length would be thrown away, so the cap also
 keeps a sequence within the blocks ``LLMEngine.validate`` promised it.
 
-How many tokens to guess (auto-off included). A step costs about
-``F + r * rows``: ``F`` the part every step pays (reading the weights,
-launching), ``r`` each row of tokens. The ``i``-th guess of a sequence costs
-a row and, if it and the guesses before it are accepted, saves a whole
-token: ``F / B + r`` at batch ``B``. With ``a`` the sequence's running
-acceptance rate, the ``i``-th guess pays when ``a^i >= r / (F / B + r) = B
-/ (B + F / r)``. So a sequence proposes the longest run that pays: at batch
-1 nearly any acceptance is worth a guess (a decode is memory-bound), at
-large batches only runs that are nearly always right (compute dominates).
-When not even one guess pays, the sequence pauses (4 steps, doubling up to
-64 while it keeps failing), then probes with one guess, which can bring
-its rate back up. An n-gram lookup that finds nothing proposes nothing, so
-text that does not repeat costs the lookups only.
+How many guesses. A sequence's acceptance rate ``a`` is the chance that a
+guess is right when the ones before it were: accepted guesses over accepted
+guesses plus rejections (each verification ends at most once), decayed by
+half per proposal, starting from the rate over all sequences. Its ``i``-th
+guess is then expected to yield ``a^i`` tokens. ``cost.py`` measures, from
+this engine's own steps, what a plain step of the ``B`` decoding sequences
+costs and what a step verifying ``E`` guesses would. The step takes the
+``E`` guesses worth most (a sequence's first before its second), with the
+``E`` that gives the most expected tokens per second, ``(B + sum of their
+a^i) / cost(B + E)``, and speculates only if that beats a plain step's
+``B / cost(B)`` (checked again with what was proposed: a lookup may find
+less). So when acceptance collapses, or rows are dear, speculation stops;
+when rows are nearly free (a CPU's matmul below its blocking size, a GPU's
+memory-bound decode), it guesses freely.
+
+Pauses and probes: a sequence none of whose guesses is taken pauses, then
+probes with at least one guess, which can bring its rate back when the
+text starts to repeat. The pause is 4 steps, doubling to 64 while its
+probes find nothing, and back to 4 once the sequence's guesses are taken
+again. Probes fall on steps that are multiples of the pause (one to two
+pauses away), so the sequences that pause alike probe in the same step and
+share what verifying costs once; a step with a probe takes every guess
+that adds to its tokens per second. Until the cost model has seen a few
+plain steps, every other step speculates with every guess, the others run
+plain.
+
+Seeded sequences decide like the others, by timing and batch: that cannot
+change their text, because the verifier uses a seeded sequence's random
+numbers exactly as plain sampling does, one noise vector per emitted token
+in order (verify.py). A rule that let the number of guesses decide which
+random numbers a seeded sequence uses would make its text depend on the
+machine's load; keep it so.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+
+import numpy as np
 
 from engine.config import SpeculativeConfig
 from engine.request import Request
+from engine.scheduler_output import SchedulerOutput
 from engine.spec_decode.base import DraftRequest, Proposal, Proposer
+from engine.spec_decode.cost import StepCostModel, StepCosts, default_clock
 from engine.spec_decode.stats import SpecDecodeStats
 
-# NOTE: F / r for SmolLM2-135M in float32 on one CPU core, set from what
-# speculation cost end to end (docs/benchmarks.md): a step is not linear in
-# its rows. At batch 1 a decode step took 52 ms of CPU and 4 extra rows 38 ms
-# more (the LM head's matmul is most of a row); at batch 16 the rows past 16
-# start a new GEMM block and cost nearly a token each, so there only runs
-# that are almost always right pay. 3 gives a threshold of 0.25 at batch 1
-# and 0.84 at batch 16. On a GPU a decode step is memory-bound until batches
-# of tens of sequences, so F / r is far larger.
-FIXED_TO_ROW = {"cpu": 3.0, "cuda": 64.0}
-EMA = 0.5  # weight of the newest proposal in the running acceptance rate
+DECAY = 0.5  # weight a sequence's acceptance counts keep per proposal
+GLOBAL_DECAY = 0.99  # the same over all sequences' proposals
 BACKOFF_STEPS = 4
 MAX_BACKOFF = 64
 
 
 @dataclass
 class _SeqState:
-    # Running acceptance rate. NOTE: it starts at 0.7, not 1: at batch 16 a
-    # new sequence then probes with one guess rather than k that may all miss.
-    acceptance: float = 0.7
-    pause: int = 0  # steps left without speculating
+    accepted: float = 0.0  # decayed: guesses accepted
+    trials: float = 0.0  # decayed: guesses accepted, plus rejections
     backoff: int = BACKOFF_STEPS
+    probe_at: int | None = None  # paused: probes at this step
+    probing: bool = False  # this step's guesses are a probe
 
 
 class SpecDecoder:
@@ -61,56 +77,125 @@ class SpecDecoder:
         self.config = config
         self.proposer = proposer
         self.max_model_len = max_model_len
-        self.fixed_to_row = FIXED_TO_ROW["cuda" if device.startswith("cuda") else "cpu"]
+        # StepCostModel, or anything with its interface (cost.FixedCosts in tests).
+        self.cost = StepCostModel(default_clock(device))
         self.stats = SpecDecodeStats()
         self._seqs: dict[str, _SeqState] = {}
+        # Over all sequences, decayed; a new sequence starts from this rate.
+        self._accepted, self._trials = 0.7, 1.0
+        self._step = 0
 
     def propose(self, running: list[Request]) -> dict[str, Proposal]:
         """Proposals for the running sequences that speculate this step."""
+        self._step += 1
+        self.cost.start()
+        decoding = [r for r in running if r.num_computed_tokens == r.num_tokens - 1]
         k = self.config.num_speculative_tokens
-        decoding = [r for r in running
-                    if r.num_computed_tokens == r.num_tokens - 1 and speculates(r)]
-        threshold = len(decoding) / (len(decoding) + self.fixed_to_row)
-        # NOTE: a seeded sequence decides as if alone: how many guesses it
-        # makes decides which random draws it uses, and a seed must give the
-        # same text in any batch.
-        alone = 1 / (1 + self.fixed_to_row)
-        asks = []
+        candidates = []
         for r in decoding:
             room = min(k, r.params.max_tokens - r.num_output_tokens - 1,
                        self.max_model_len - r.num_tokens)
-            state = self._seqs.setdefault(r.request_id, _SeqState())
-            length = self._length(state, room, alone if r.params.seed is not None else threshold)
-            if length:
-                asks.append(DraftRequest(r.request_id, r.token_ids, length))
-        if not asks:
+            if room >= 1 and speculates(r):
+                state = self._seqs.setdefault(r.request_id, _SeqState())
+                state.probing = False
+                candidates.append((r, state, room))
+        if not candidates:
             return {}
+        costs = self.cost.estimate(len(decoding), sum(room for _, _, room in candidates))
+        if costs is None:  # calibrating: every other step plain, the others every guess
+            plans = [] if self._step % 2 else candidates
+        else:
+            plans = self._plan(candidates, len(decoding), costs)
+        if not plans:
+            return {}
+        asks = [DraftRequest(r.request_id, r.token_ids, n) for r, _, n in plans]
         proposals = self.proposer.propose(asks)
-        return {a.request_id: p for a, p in zip(asks, proposals, strict=True) if p.token_ids}
+        self.cost.proposed(sum(a.max_tokens for a in asks))
+        kept = [(a.request_id, state, p) for a, (_, state, _), p in
+                zip(asks, plans, proposals, strict=True) if p.token_ids]
+        if costs is not None and not any(state.probing for _, state, _ in kept):
+            guesses = sum(len(p.token_ids) for _, _, p in kept)
+            tokens = len(decoding) + sum(self._expected(state, len(p.token_ids))
+                                         for _, state, p in kept)
+            if tokens / costs.verify[guesses] <= len(decoding) / costs.plain:
+                self._pause(state for _, state, _ in kept)  # not those a lookup found nothing for
+                return {}
+        return {rid: p for rid, _, p in kept}
 
-    def _length(self, state: _SeqState, room: int, threshold: float) -> int:
-        """The longest run of guesses that pays (module docstring), or 0."""
-        if room < 1:
-            return 0
-        if state.pause:
-            state.pause -= 1
-            return 0
-        length = 0
-        while length < room and state.acceptance ** (length + 1) >= threshold:
-            length += 1
-        if not length:
-            state.pause = state.backoff
-            state.backoff = min(2 * state.backoff, MAX_BACKOFF)
-            state.acceptance = threshold  # after the pause, probe with one guess
-        return length
+    def _plan(self, candidates: list[tuple[Request, _SeqState, int]], num_seqs: int,
+              costs: StepCosts) -> list[tuple[Request, _SeqState, int]]:
+        """(request, state, guesses) for the sequences that speculate: the
+        guesses that give the most tokens per second (module docstring);
+        probes' first guesses always."""
+        forced, optional = [], []
+        for i, (_, state, room) in enumerate(candidates):
+            if state.probe_at is not None:
+                if self._step < state.probe_at:
+                    continue
+                state.probe_at, state.probing = None, True
+            rate = self.rate(state)
+            values = [(rate ** n, i) for n in range(1, room + 1)]
+            if state.probing:
+                forced.append(values.pop(0))
+            optional += values
+        optional.sort(key=lambda v: -v[0])  # stable: a sequence's guesses stay in order
+        chosen = forced + optional
+        tokens = num_seqs + np.cumsum([0.0] + [v for v, _ in chosen])
+        guesses = np.arange(len(chosen) + 1)
+        per_second = tokens / (costs.verify[: len(chosen) + 1] + costs.propose * guesses)
+        per_second[: len(forced) + (not forced)] = 0.0  # at least the probes; without, a guess
+        best = int(per_second.argmax())
+        if not forced and per_second[best] <= num_seqs / costs.plain:
+            best = 0
+        lengths = [0] * len(candidates)
+        for _, i in chosen[:best]:
+            lengths[i] += 1
+        plans = []
+        for (r, state, _), n in zip(candidates, lengths, strict=True):
+            if n:
+                plans.append((r, state, n))
+                if not state.probing:  # it pays again: pauses start short
+                    state.backoff = BACKOFF_STEPS
+            elif state.probe_at is None:
+                self._pause([state])
+        return plans
+
+    def _expected(self, state: _SeqState, guesses: int) -> float:
+        rate = self.rate(state)
+        return sum(rate ** n for n in range(1, guesses + 1))
+
+    def _pause(self, states: Iterable[_SeqState]) -> None:
+        """No guesses for a while; then a probe, on a step that is a multiple
+        of the pause and at least one pause away."""
+        for state in states:
+            if state.probe_at is None:
+                state.probe_at = (self._step // state.backoff + 2) * state.backoff
+
+    def rate(self, state: _SeqState) -> float:
+        """The sequence's acceptance rate, with the rate over all sequences
+        counting as one guess of its own."""
+        prior = self._accepted / self._trials
+        return (state.accepted + prior) / (state.trials + 1)
 
     def observe(self, request_id: str, num_draft: int, num_accepted: int) -> None:
         """A proposal of ``num_draft`` tokens was verified; ``num_accepted`` held."""
         self.stats.observe(num_draft, num_accepted)
         state = self._seqs.setdefault(request_id, _SeqState())
-        state.acceptance = (1 - EMA) * state.acceptance + EMA * num_accepted / num_draft
-        if num_accepted:
-            state.backoff = BACKOFF_STEPS
+        trials = num_accepted + (num_accepted < num_draft)
+        state.accepted = DECAY * state.accepted + num_accepted
+        state.trials = DECAY * state.trials + trials
+        self._accepted = GLOBAL_DECAY * self._accepted + num_accepted
+        self._trials = GLOBAL_DECAY * self._trials + trials
+        if state.probing and not num_accepted:
+            state.backoff = min(2 * state.backoff, MAX_BACKOFF)
+        state.probing = False
+
+    def end_step(self, out: SchedulerOutput) -> None:
+        """The step is done (``Scheduler.update`` ran): a decode-only step is
+        an observation of what steps cost."""
+        scheduled = out.scheduled
+        if scheduled and all(s.num_new_tokens == 1 + len(s.draft_token_ids) for s in scheduled):
+            self.cost.end(len(scheduled), sum(len(s.draft_token_ids) for s in scheduled))
 
     def forget(self, request_id: str) -> None:
         self._seqs.pop(request_id, None)

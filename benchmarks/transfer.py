@@ -9,8 +9,10 @@ worker: for each payload it reserves the blocks (Reserve), moves them with
 the real sender (``GrpcSender``: PushKV; ``TorchSender``: ExpectKV + gloo
 send; ``MooncakeSender``: WriteKV around one-sided batch writes of the
 Mooncake transfer engine over its TCP protocol, from this process's
-registered cache into the decode worker's) and frees them (Abort). Each transfer ends at the decode worker's
-acknowledgement, after the bytes are in its KV cache.
+registered cache into the decode worker's) and frees them (Abort). Each
+transfer is the sender's whole call, from its first message to the decode
+worker's acknowledgement, after the bytes are in its KV cache. "mooncake engine" is the same batch write into the same
+reserved blocks without the WriteKV control stream: the engine alone.
 
 The baselines move the same number of bytes between this process and a
 child process, also ending at a one-byte acknowledgement:
@@ -18,15 +20,18 @@ child process, also ending at a one-byte acknowledgement:
     raw tcp    socket.sendall / recv_into over loopback
     raw gloo   ProcessGroupGloo send / recv, a two-rank group
 
-Throughput is MiB per second, the median of the repeats. Not counted: a
-warm-up per transport (first contact, with its preflight, then one transfer
-of the largest payload, so the decode worker's cache pages are touched).
+Every arm moves each payload once per repeat, taking turns, so that a
+change in the machine's load hits them alike. Throughput is MiB per second,
+the median of the repeats. Not counted: a warm-up per arm (first contact,
+with its preflight, then one transfer of the largest payload, so the
+decode worker's cache pages are touched).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import multiprocessing as mp
 import socket
@@ -64,7 +69,8 @@ def build_model(root: Path) -> Path:
 # ---- the transports, through a real decode worker ---------------------------------------------
 
 
-async def bench_transports(address: str, sizes: list[int], repeats: int) -> dict:
+async def transport_arms(stack, address: str, sizes: list[int]) -> dict:
+    """name -> async (MiB) -> seconds, for each sender against the decode worker."""
     from engine.kv_blocks import KVBlocks
     from engine.sampling_params import SamplingParams
     from kv_transfer.grpc_transport import GrpcSender
@@ -77,6 +83,7 @@ async def bench_transports(address: str, sizes: list[int], repeats: int) -> dict
     from rpc.protos import worker_pb2, worker_pb2_grpc
 
     channels = ChannelPool()
+    stack.push_async_callback(channels.close)
     stub = worker_pb2_grpc.WorkerStub(channels.get(address))
     info = await stub.Info(worker_pb2.InfoRequest())
     layout = KVLayout.from_proto(info.layout)
@@ -88,122 +95,157 @@ async def bench_transports(address: str, sizes: list[int], repeats: int) -> dict
     endpoint = None
     if "mooncake" in info.transports:
         endpoint = MooncakeEndpoint(io, "127.0.0.1")
+        stack.callback(endpoint.close)
         senders["mooncake"] = MooncakeSender(endpoint, layout, channels, "bench-prefill")
     else:
         print("  mooncake: the decode worker could not start it (see its log); skipped")
     params = params_to_proto(SamplingParams(max_tokens=1))
     counter = 0
-    segments: dict[tuple[str, int], set[int]] = {}  # what the decode worker's blocks cost
 
-    async def once(sender, mib: int) -> float:
+    async def reserved(mib: int, move) -> float:
+        """Reserve a request of ``mib`` MiB of KV, time ``move(ticket)``, abort."""
         nonlocal counter
         counter += 1
         rid = f"bench-{counter}"
         tokens = [5] * (mib * (1 << 20) // TOKEN_BYTES)
         reply = await stub.Reserve(worker_pb2.ReserveRequest(
             request_id=rid, prompt_token_ids=tokens, params=params))
-        ids = list(range(len(reply.ticket.block_ids)))
         try:
-            stats = await sender.send(rid, reply.ticket, ids)
+            return await move(rid, reply.ticket)
         finally:
             await stub.Abort(worker_pb2.AbortRequest(request_id=rid))
-        if stats.bytes != mib << 20:
-            raise RuntimeError(f"moved {stats.bytes} bytes, meant {mib << 20}")
-        if "segments" in stats.extra:
-            segments.setdefault((sender.name, mib), set()).add(stats.extra["segments"])
-        return stats.seconds
 
-    results: dict = {}
-    for name, sender in senders.items():
-        await once(sender, 1)  # first contact: group set-up and preflight
-        await once(sender, max(sizes))  # touch (nearly) every block of the decode cache
-        print(f"  preflight {name}: {sender.bandwidth[info.worker_id] / 2**20:.0f} MiB/s",
-              flush=True)
-        for mib in sizes:
-            results[(name, mib)] = [await once(sender, mib) for _ in range(repeats)]
-    await channels.close()
+    def through(sender):
+        async def move(rid, ticket) -> float:
+            start = time.perf_counter()
+            stats = await sender.send(rid, ticket, list(range(len(ticket.block_ids))))
+            seconds = time.perf_counter() - start  # the whole call, control messages too
+            if stats.bytes != len(ticket.block_ids) * BLOCK_SIZE * TOKEN_BYTES:
+                raise RuntimeError(f"moved {stats.bytes} bytes")
+            if "segments" in stats.extra:
+                SEGMENTS.setdefault((sender.name, len(ticket.block_ids)), set()).add(
+                    stats.extra["segments"])
+            return seconds
+
+        return lambda mib: reserved(mib, move)
+
+    async def engine_only(rid, ticket) -> float:
+        """The same batch write into the reserved blocks, without the WriteKV
+        control stream: the transfer engine alone."""
+        ids = list(range(len(ticket.block_ids)))
+        segments = endpoint.segments(ticket.mooncake, ids, list(ticket.block_ids))
+        start = time.perf_counter()
+        await asyncio.get_running_loop().run_in_executor(
+            endpoint.thread, endpoint.write, ticket.mooncake.rpc_address, *segments)
+        return time.perf_counter() - start
+
+    arms = {name: through(sender) for name, sender in senders.items()}
     if endpoint is not None:
-        endpoint.close()
-    for (name, mib), counts in sorted(segments.items()):
-        print(f"  {name} {mib} MiB: {min(counts)}-{max(counts)} segments per transfer")
-    return results
+        arms["mooncake engine"] = lambda mib: reserved(mib, engine_only)
+    for name, arm in arms.items():
+        await arm(1)  # first contact: group set-up and preflight
+        await arm(max(sizes))  # touch the decode worker's blocks this benchmark uses
+        sender = senders.get(name)
+        if sender is not None:
+            print(f"  preflight {name}: {sender.bandwidth[info.worker_id] / 2**20:.0f} MiB/s",
+                  flush=True)
+    return arms
 
 
-# ---- raw baselines ------------------------------------------------------------------------------
+SEGMENTS: dict[tuple[str, int], set[int]] = {}  # (transport, blocks) -> segments per transfer
 
 
-def tcp_receiver(conn, sizes: list[int], repeats: int) -> None:
+# ---- raw baselines: a child process receives, this one sends ----------------------------------
+
+
+def tcp_receiver(conn, nbytes: int) -> None:
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen(1)
     conn.send(server.getsockname()[1])
     sock, _ = server.accept()
-    buf = bytearray(max(sizes) << 20)
+    buf = bytearray(nbytes)
     view = memoryview(buf)
-    for mib in sizes:
-        for _ in range(repeats + 1):
-            want, got = mib << 20, 0
-            while got < want:
-                got += sock.recv_into(view[got:want])
-            sock.sendall(b"k")
-    sock.close()
+    while True:
+        head = sock.recv(8, socket.MSG_WAITALL)
+        if len(head) < 8:
+            return
+        want, got = int.from_bytes(head, "little"), 0
+        while got < want:
+            got += sock.recv_into(view[got:want])
+        sock.sendall(b"k")
 
 
-def bench_tcp(sizes: list[int], repeats: int) -> dict:
-    ctx = mp.get_context("spawn")
-    here, there = ctx.Pipe()
-    child = ctx.Process(target=tcp_receiver, args=(there, sizes, repeats))
-    child.start()
-    sock = socket.create_connection(("127.0.0.1", here.recv()))
-    results = {}
-    for mib in sizes:
-        payload = bytes(mib << 20)
-        times = []
-        for i in range(repeats + 1):
-            start = time.perf_counter()
-            sock.sendall(payload)
-            sock.recv(1)
-            if i:  # the first is a warm-up
-                times.append(time.perf_counter() - start)
-        results[("raw tcp", mib)] = times
-    sock.close()
-    child.join()
-    return results
-
-
-def gloo_receiver(port: int, sizes: list[int], repeats: int) -> None:
+def gloo_receiver(port: int) -> None:
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT)
     group = dist.ProcessGroupGloo(store, 1, 2, TIMEOUT)
-    ack = torch.ones(1, dtype=torch.uint8)
-    for mib in sizes:
-        buf = torch.empty(mib << 20, dtype=torch.uint8)
-        for _ in range(repeats + 1):
-            group.recv([buf], 0, 1).wait()
-            group.send([ack], 0, 2).wait()
+    ack, size = torch.ones(1, dtype=torch.uint8), torch.zeros(1, dtype=torch.int64)
+    while True:
+        group.recv([size], 0, 1).wait()
+        if not size.item():
+            return
+        buf = torch.empty(int(size.item()), dtype=torch.uint8)
+        group.recv([buf], 0, 1).wait()
+        group.send([ack], 0, 2).wait()
 
 
-def bench_gloo(sizes: list[int], repeats: int) -> dict:
+def raw_arms(stack, sizes: list[int]) -> dict:
+    """name -> async (MiB) -> seconds: the same bytes from one preallocated
+    buffer to a child process, ending at a one-byte acknowledgement."""
     from engine.parallel.store import listening_store
 
-    store = listening_store("127.0.0.1", TIMEOUT)  # loopback only, not every interface
     ctx = mp.get_context("spawn")
-    child = ctx.Process(target=gloo_receiver, args=(store.port, sizes, repeats))
-    child.start()
+    here, there = ctx.Pipe()
+    tcp_child = ctx.Process(target=tcp_receiver, args=(there, max(sizes) << 20), daemon=True)
+    tcp_child.start()
+    sock = socket.create_connection(("127.0.0.1", here.recv()))
+    stack.callback(tcp_child.join)
+    stack.callback(sock.close)
+
+    store = listening_store("127.0.0.1", TIMEOUT)  # loopback only, not every interface
+    gloo_child = ctx.Process(target=gloo_receiver, args=(store.port,), daemon=True)
+    gloo_child.start()
     group = dist.ProcessGroupGloo(store, 0, 2, TIMEOUT)
+    stack.callback(gloo_child.join)
+    stack.callback(lambda: group.send([torch.zeros(1, dtype=torch.int64)], 1, 1).wait())
+    payloads: dict[int, bytes] = {}
+    tensors: dict[int, torch.Tensor] = {}
     ack = torch.empty(1, dtype=torch.uint8)
-    results = {}
-    for mib in sizes:
-        payload = torch.zeros(mib << 20, dtype=torch.uint8)
-        times = []
-        for i in range(repeats + 1):
-            start = time.perf_counter()
-            group.send([payload], 1, 1).wait()
-            group.recv([ack], 1, 2).wait()
-            if i:
-                times.append(time.perf_counter() - start)
-        results[("raw gloo", mib)] = times
-    child.join()
-    return results
+
+    async def tcp(mib: int) -> float:
+        data = payloads.setdefault(mib, bytes(mib << 20))
+        start = time.perf_counter()
+        sock.sendall((mib << 20).to_bytes(8, "little"))
+        sock.sendall(data)
+        sock.recv(1)
+        return time.perf_counter() - start
+
+    async def gloo(mib: int) -> float:
+        data = tensors.setdefault(mib, torch.zeros(mib << 20, dtype=torch.uint8))
+        start = time.perf_counter()
+        group.send([torch.tensor([mib << 20], dtype=torch.int64)], 1, 1).wait()
+        group.send([data], 1, 1).wait()
+        group.recv([ack], 1, 2).wait()
+        return time.perf_counter() - start
+
+    return {"raw tcp": tcp, "raw gloo": gloo}
+
+
+async def bench(address: str, sizes: list[int], repeats: int) -> dict:
+    """Every arm once per repeat, in turn: a change in the machine's load
+    hits them alike."""
+    async with contextlib.AsyncExitStack() as stack:
+        arms = await transport_arms(stack, address, sizes)
+        raw = raw_arms(stack, sizes)
+        for arm in raw.values():
+            await arm(max(sizes))  # warm-up
+        arms.update(raw)
+        results: dict = {}
+        for mib in sizes:
+            for _ in range(repeats):
+                for name, arm in arms.items():
+                    results.setdefault((name, mib), []).append(await arm(mib))
+        return results
 
 
 # ---- main ---------------------------------------------------------------------------------------
@@ -228,13 +270,11 @@ def main() -> None:
             decode = cluster.start("decode", ["--model", str(model), "--num-blocks", str(blocks),
                                               "--dtype", "float32",  # this side's cache
                                               "--transport", "mooncake,grpc"])
-            results.update(asyncio.run(bench_transports(decode.address, sizes, repeats)))
-    print("  raw tcp ...", flush=True)
-    results.update(bench_tcp(sizes, repeats))
-    print("  raw gloo ...", flush=True)
-    results.update(bench_gloo(sizes, repeats))
+            results.update(asyncio.run(bench(decode.address, sizes, repeats)))
+    for (name, blocks), counts in sorted(SEGMENTS.items()):
+        print(f"  {name}, {blocks} blocks: {min(counts)}-{max(counts)} segments per transfer")
 
-    columns = [c for c in ("grpc", "torch", "mooncake", "raw tcp", "raw gloo")
+    columns = [c for c in ("grpc", "torch", "mooncake", "mooncake engine", "raw tcp", "raw gloo")
                if (c, sizes[0]) in results]
     print(f"\nKV transfer throughput, MiB/s (median of {repeats}; ms in brackets), "
           f"{torch.get_num_threads()} torch threads, {mp.cpu_count()} cpus")
@@ -246,6 +286,12 @@ def main() -> None:
             sec = statistics.median(results[(c, mib)])
             cells.append(f"{mib / sec:>8.0f} ({sec * 1e3:>6.1f} ms)")
         print(f"{mib:>5} MiB | " + " | ".join(f"{x:>18}" for x in cells))
+    if ("mooncake", sizes[0]) in results:
+        for mib in sizes:
+            tcp = statistics.median(results[("raw tcp", mib)])
+            print(f"  {mib} MiB: mooncake at {tcp / statistics.median(results[('mooncake', mib)]):.0%}"
+                  f" of raw tcp, the engine alone at "
+                  f"{tcp / statistics.median(results[('mooncake engine', mib)]):.0%}")
 
 
 if __name__ == "__main__":

@@ -181,16 +181,10 @@ class AsyncEngineLoop:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            results, outputs, failed = await loop.run_in_executor(self._thread, self._tick, ops)
-            # NOTE: the ops' results are handed back even when the step after
-            # them failed: their callers (an add, an abort) would wait forever.
-            for (_, future, _), (ok, value) in zip(ops, results):
-                if future.done():
-                    continue
-                if ok:
-                    future.set_result(value)
-                else:
-                    future.set_exception(value)
+            # NOTE: the ops' results come back before the step (``_tick``), so
+            # also when the step after them fails: their callers (an add, an
+            # abort) would wait forever otherwise.
+            outputs, failed = await loop.run_in_executor(self._thread, self._tick, ops, loop)
             if failed is not None:  # the model failed: fail what was running, keep serving
                 logger.error("engine step failed", exc_info=failed)
                 aborted = await loop.run_in_executor(self._thread,
@@ -214,8 +208,8 @@ class AsyncEngineLoop:
                 if idle:
                     await self._wake.wait()
 
-    def _tick(self, ops) -> tuple[list[tuple[bool, Any]], list[RequestOutput],
-                                  Exception | None]:
+    def _tick(self, ops, loop) -> tuple[list[RequestOutput], Exception | None]:
+        """Run the ops, hand their results back, then step once."""
         results, outputs = [], []
         for fn, _, emits in ops:
             try:
@@ -226,12 +220,33 @@ class AsyncEngineLoop:
                 results.append((True, value))
             except Exception as exc:
                 results.append((False, exc))
+        if ops:
+            # NOTE: now, not after the step: a reservation, an abort or a
+            # release answers (and a started request's first output goes out)
+            # without waiting for a step of every running request. Queued
+            # before this tick returns, so they land before its outputs.
+            loop.call_soon_threadsafe(self._finish_ops, ops, results, outputs)
+            outputs = []
         if self.engine.has_unfinished_requests():
             try:
                 outputs.extend(self.engine.step())
             except Exception as exc:
-                return results, outputs, exc
-        return results, outputs, None
+                return outputs, exc
+        return outputs, None
+
+    def _finish_ops(self, ops, results, outputs: list[RequestOutput]) -> None:
+        """On the event loop: the ops' results, and the outputs they made."""
+        for (_, future, _), (ok, value) in zip(ops, results):
+            if future.done():
+                continue
+            if ok:
+                future.set_result(value)
+            else:
+                future.set_exception(value)
+        for out in outputs:
+            queue = self._streams.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(out)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

@@ -9,6 +9,8 @@ A sink hears, per step that schedules its request::
 
     begin_step(block_ids, num_final)   the first num_final blocks of the
                                        table are final once a layer has run
+                                       (the table so far: a chunked prompt's
+                                       grows chunk by chunk)
     layer_done(0) ... layer_done(L-1)  on the engine thread, as each layer's
                                        KV is stored (on a GPU: queued on the
                                        current stream; record an event)

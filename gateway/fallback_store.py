@@ -149,12 +149,20 @@ class FallbackStore(StateStore):
         return True
 
     async def _replay(self) -> None:
-        for request_id in list(self.pending):
-            ops = self.pending.get(request_id)
-            if not ops:
-                continue
+        """Write the held records, oldest first, until none is left or Redis
+        fails again.
+
+        NOTE: until none is left, not over a list taken at the start. While
+        it runs, a failed call elsewhere (after a restart, each stale pooled
+        connection fails once) holds more records, and the answer that
+        follows closes the breaker while this replay still runs, so starts
+        no other: records held then and missing from a list taken at the
+        start stayed pending for good, and so did every later write of
+        theirs (the soak test found records left QUEUED in Redis)."""
+        while self.pending:
+            request_id, ops = next(iter(self.pending.items()))
             try:
-                for kind, attempt, fields in ops:
+                for kind, attempt, fields in ops:  # also the writes added while it runs
                     if kind == "create":
                         await asyncio.wait_for(self.primary.create(request_id, fields),
                                                self.timeout_s)

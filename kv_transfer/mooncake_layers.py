@@ -13,7 +13,8 @@ Writes are held back until the decode worker has accepted the transfer
 (``start``): no byte lands in its blocks before the reservation is marked
 as being written. NOTE: held here, not queued on the writer thread to wait
 there: a queued write that waits would hold up every other request's
-writes (and the first contact's preflight) behind a slow decode worker. Each layer counts the leading blocks that landed (``landed``): the
+writes (and the first contact's preflight) behind a slow decode worker.
+Each layer counts the leading blocks that landed (``landed``): the
 completion count the decode worker checks. After a preemption the prompt
 is computed again into other blocks and every layer is sent again; writes
 of one endpoint run in order, so the last write of a block is the good one.
@@ -21,6 +22,7 @@ of one endpoint run in order, so the last write of a block is the good one.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from concurrent.futures import Future
@@ -28,7 +30,8 @@ from concurrent.futures import Future
 import torch
 from opentelemetry import trace
 
-from kv_transfer.mooncake_endpoint import MooncakeEndpoint
+from kv_transfer.mooncake_endpoint import MooncakeEndpoint, Run, Segments
+from kv_transfer.progress import resolve_once
 from rpc.protos import worker_pb2
 from rpc.tracing import tracer
 
@@ -38,7 +41,10 @@ _tracer = tracer("tandem.kv_transfer")
 class LayerWrites:
     def __init__(self, endpoint: MooncakeEndpoint, target: worker_pb2.MooncakeTarget,
                  dst_block_ids: list[int], num_layers: int, span=None) -> None:
-        """``span``: the transfer's span, parent of one span per layer write."""
+        """``span``: the transfer's span, parent of one span per layer write.
+        Create it on the event loop: ``queued`` resolves there once the step
+        that completes the prompt has queued its last layer's write (before
+        that step's sampling)."""
         endpoint.check_target(target)
         self.endpoint = endpoint
         self.target = target
@@ -47,7 +53,10 @@ class LayerWrites:
         self.sent = [0] * num_layers  # per layer, leading blocks queued
         self.landed = [0] * num_layers  # per layer, leading blocks written
         self.bytes_moved = 0
+        self.num_segments = 0
         self.futures: list[Future] = []  # the writes handed to the writer thread
+        self.loop = asyncio.get_running_loop()
+        self.queued: asyncio.Future = self.loop.create_future()
         self._held: list[tuple] = []  # writes planned before ``start``
         self._lock = threading.Lock()  # the engine thread plans, the event loop starts
         self._started = False
@@ -56,6 +65,7 @@ class LayerWrites:
         self._context = trace.set_span_in_context(span) if recording else None
         self._ids: list[int] = []
         self._final = 0
+        self._runs: dict[tuple[int, int], list[Run]] = {}  # this step's (lo, hi) -> runs
         self._done_layers: set[int] = set()
         self._layer_start = 0  # ns: when this step's current layer began computing
         self._cuda = endpoint.device.type == "cuda"
@@ -65,6 +75,7 @@ class LayerWrites:
     def begin_step(self, block_ids: list[int], num_final: int) -> None:
         self._ids, self._final = block_ids, num_final
         self._done_layers = set()
+        self._runs = {}
         self._layer_start = time.time_ns()
 
     def layer_done(self, layer: int) -> None:
@@ -75,8 +86,7 @@ class LayerWrites:
         lo, hi = self.sent[layer], min(self._final, len(self.dst))
         if self.closed or hi <= lo:
             return
-        segments = self.endpoint.segments(self.target, self._ids[lo:hi], self.dst[lo:hi],
-                                          range(layer, layer + 1))
+        segments = self._plan(layer, lo, hi)
         event = None
         if self._cuda:  # the layer's kernels are queued, not done: the write waits for them
             event = torch.cuda.Event()
@@ -89,10 +99,19 @@ class LayerWrites:
                 self._held.append((layer, hi, segments, event))
         self.sent[layer] = hi
 
+    def _plan(self, layer: int, lo: int, hi: int) -> Segments:
+        """Segments of blocks [lo, hi) in ``layer``; their runs are found once a step."""
+        runs = self._runs.get((lo, hi))
+        if runs is None:
+            runs = self._runs[(lo, hi)] = self.endpoint.runs(self._ids[lo:hi], self.dst[lo:hi])
+        return self.endpoint.place(self.target, runs, range(layer, layer + 1))
+
     def end_step(self) -> None:
         for layer in range(self.num_layers):
             if layer not in self._done_layers:  # e.g. a step replayed from a CUDA graph
                 self.layer_done(layer)
+        if self._final == len(self.dst):
+            self.loop.call_soon_threadsafe(resolve_once, self.queued, None)
 
     def rewind(self) -> None:
         self.sent = [0] * self.num_layers
@@ -129,6 +148,7 @@ class LayerWrites:
         self.endpoint.write(self.target.rpc_address, *segments)
         nbytes = sum(segments[2])
         self.bytes_moved += nbytes
+        self.num_segments += len(segments[2])
         self.landed[layer] = upto
         self._span("kv_transfer.layer_write", start, time.time_ns(), layer=layer,
                    blocks_upto=upto, bytes=nbytes, segments=len(segments[2]))

@@ -9,13 +9,16 @@ two halves of a ``WriteKV`` stream on the existing gRPC path: "begin" makes
 the decode worker mark the reservation as being written (an abort then
 waits for the writer), "done" carries the completion count (bytes, blocks,
 and per layer the blocks that landed) it checks before the request may
-start. Two ways to fill the middle:
+start. The stream opens when the prompt starts computing, so "begin" and
+"ready" (and a first contact's preflight) are over by the time it is done;
+then one of two ways to fill the middle:
 
-    send          after the prompt computed: one batch of every layer's blocks
-    send_layers   while it computes: "begin" goes out at once, and each
-                  layer's final blocks are written as soon as the layer has
-                  stored them (kv_transfer/mooncake_layers.py), so the writes
-                  overlap the compute of the layers after them
+    send_when     once the prompt is done: one batch of every layer's blocks
+    send_layers   while it computes: each layer's final blocks are written as
+                  soon as the layer has stored them (kv_transfer/mooncake_layers.py),
+                  so the writes overlap the compute of the layers after them
+                  (what pays on a GPU, whose compute the writes do not slow;
+                  on a CPU they share its cores: docs/benchmarks.md)
 
 The engine's traffic is neither encrypted nor authenticated, and any host
 that reaches its port may write into the registered cache: like the torch
@@ -27,18 +30,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from concurrent.futures import Future
 
 import grpc
 
 from kv_transfer.base import PREFLIGHT_BYTES, KVSender
 from kv_transfer.layout import KVLayout, TransferStats
-from kv_transfer.mooncake_endpoint import MooncakeEndpoint, Segments
+from kv_transfer.mooncake_endpoint import MooncakeEndpoint
 from kv_transfer.mooncake_layers import LayerWrites
 from rpc.errors import PermissionDenied, Unavailable, peer_error
 from rpc.pool import ChannelPool
 from rpc.protos import worker_pb2, worker_pb2_grpc
+from rpc.tracing import tracer
 
 logger = logging.getLogger("kv_transfer")
+_tracer = tracer("tandem.kv_transfer")
 
 # Bounds a transfer's WriteKV stream past the reservation's lease, so a
 # decode worker that hangs (stopped, partitioned) fails the transfer instead
@@ -73,26 +79,49 @@ class MooncakeSender(KVSender):
             raise PermissionDenied(f"mooncake endpoint {ticket.mooncake.rpc_address} is not "
                                    f"on the host of decode worker {ticket.decode_address}")
 
-    # ---- one batch, after the compute ----------------------------------------------------
+    # ---- one batch of every layer ---------------------------------------------------------
 
     async def send(self, request_id, ticket, src_block_ids) -> TransferStats:
         self._check(ticket, len(src_block_ids))
-        segments = self.endpoint.segments(ticket.mooncake, src_block_ids,
-                                          list(ticket.block_ids))
+        blocks = asyncio.get_running_loop().create_future()
+        blocks.set_result((list(src_block_ids), None))
+        return await self.send_when(request_id, ticket, blocks)
+
+    async def send_when(self, request_id: str, ticket: worker_pb2.Ticket,
+                        blocks: asyncio.Future) -> TransferStats:
+        """Opens the transfer now (begin, ready, and a first contact's
+        preflight run while the prompt computes); once ``blocks`` resolves
+        to the source block ids and a CUDA event to wait for (or None: see
+        kv_transfer/progress.py ``PromptDone``), writes every layer of them
+        in one batch."""
+        self._check(ticket, None)
+        pending: list[Future] = []
+
+        def write_after(event, peer: str, *segments) -> None:
+            if event is not None:
+                event.synchronize()
+            self.endpoint.write(peer, *segments)
 
         async def write() -> dict:
-            await self._run(self.endpoint.write, ticket.mooncake.rpc_address, *segments)
-            return {"bytes_written": sum(segments[2]), "num_blocks": len(ticket.block_ids)}
+            src, event = await blocks
+            started = time.perf_counter()
+            if len(src) != len(ticket.block_ids):
+                raise ValueError(f"{len(src)} source blocks for a ticket of "
+                                 f"{len(ticket.block_ids)}")
+            segments = self.endpoint.segments(ticket.mooncake, src, list(ticket.block_ids))
+            with _tracer.start_as_current_span("kv_transfer.write", attributes={
+                    "bytes": sum(segments[2]), "segments": len(segments[2])}):
+                pending.append(self.endpoint.thread.submit(
+                    write_after, event, ticket.mooncake.rpc_address, *segments))
+                await asyncio.wrap_future(pending[-1])
+            return {"bytes_written": sum(segments[2]), "num_blocks": len(ticket.block_ids),
+                    "segments": len(segments[2]), "started": started}
 
-        # NOTE: a cancelled send lets its transfer end by itself: the write in
-        # flight cannot be interrupted, and the caller frees the source blocks
-        # when this returns.
-        transfer = asyncio.ensure_future(self._transfer(request_id, ticket, segments, write))
-        try:
-            return await asyncio.shield(transfer)
-        except asyncio.CancelledError:
-            await asyncio.wait([transfer])
-            raise
+        async def stop() -> None:
+            if pending:
+                await asyncio.wait([asyncio.wrap_future(f) for f in pending])
+
+        return await _guarded(self._transfer(request_id, ticket, write, stop))
 
     # ---- layer by layer, during the compute ----------------------------------------------
 
@@ -103,14 +132,15 @@ class MooncakeSender(KVSender):
                            self.layout.num_layers, span)
 
     async def send_layers(self, request_id: str, ticket: worker_pb2.Ticket,
-                          writes: LayerWrites, computed: asyncio.Future) -> TransferStats:
+                          writes: LayerWrites) -> TransferStats:
         """Opens the transfer now and lets ``writes`` write once the decode
-        worker accepts; ``computed`` resolves when the prompt is done (every
-        layer write is queued by then), or fails with the compute."""
+        worker accepts; done once the forward pass that completes the prompt
+        has queued its last write and every write has landed."""
 
         async def write() -> dict:
             writes.start()
-            await computed
+            await writes.queued
+            started = time.perf_counter()
             for future in list(writes.futures):
                 await asyncio.wrap_future(future)
             if not writes.complete:
@@ -118,35 +148,31 @@ class MooncakeSender(KVSender):
                                    f"{writes.landed}, {len(writes.dst)} each")
             nbytes = len(writes.dst) * self.layout.block_bytes_per_layer * writes.num_layers
             return {"bytes_written": nbytes, "num_blocks": len(writes.dst),
-                    "layer_blocks": writes.landed}
+                    "layer_blocks": writes.landed, "segments": writes.num_segments,
+                    "started": started}
 
         async def stop() -> None:
             writes.close()
             if writes.futures:
                 await asyncio.wait([asyncio.wrap_future(f) for f in writes.futures])
 
-        # NOTE: cancelled, the transfer stops queueing writes and waits for
-        # those queued before it closes the stream (_transfer's stop).
-        transfer = asyncio.ensure_future(self._transfer(request_id, ticket, None, write, stop))
-        try:
-            stats = await asyncio.shield(transfer)
-        except asyncio.CancelledError:
-            transfer.cancel()
-            await asyncio.wait([transfer])
-            raise
+        stats = await _guarded(self._transfer(request_id, ticket, write, stop))
         stats.extra["bytes_moved"] = writes.bytes_moved
         return stats
 
     # ---- the WriteKV control stream --------------------------------------------------------
 
-    async def _transfer(self, request_id: str, ticket: worker_pb2.Ticket,
-                        segments: Segments | None, write, stop=None) -> TransferStats:
-        """The stream around ``write()`` (which returns the done message's
-        fields). On any failure ``stop()`` runs before the stream closes:
-        the decode worker stops holding its blocks for us once it has."""
+    async def _transfer(self, request_id: str, ticket: worker_pb2.Ticket, write,
+                        stop) -> TransferStats:
+        """The stream around ``write()``, which returns the done message's
+        fields, and for the stats "segments" and "started" (when the KV was
+        ready: the stats' seconds run from there to the acknowledgement,
+        not from the stream's opening, which is with the prompt). On any
+        failure ``stop()`` runs before the stream closes: the decode worker
+        stops holding its blocks for us once it has, so no write may still
+        be running then."""
         peer = f"decode worker {ticket.decode_worker_id}"
         stub = worker_pb2_grpc.WorkerStub(self.channels.get(ticket.decode_address))
-        start = time.perf_counter()
         call = stub.WriteKV(timeout=_stream_timeout(ticket))
         try:
             await call.write(worker_pb2.WriteKVMessage(begin=worker_pb2.WriteKVBegin(
@@ -157,36 +183,32 @@ class MooncakeSender(KVSender):
             if reply is grpc.aio.EOF or not reply.ready:
                 raise Unavailable(f"{peer} did not accept the mooncake write")
             # The blocks are ours to write until "done": measure first contact here.
-            await self._first_contact(ticket, segments)
+            await self._first_contact(ticket)
             done = await write()
+            segments, start = done.pop("segments"), done.pop("started")
             await call.write(worker_pb2.WriteKVMessage(done=worker_pb2.WriteKVDone(**done)))
             await call.done_writing()
             reply = await call.read()
             if reply is grpc.aio.EOF:
                 raise Unavailable(f"{peer} ended the mooncake transfer without an answer")
         except BaseException as exc:
-            if stop is not None:
-                await asyncio.shield(stop())
+            await asyncio.shield(stop())
             call.cancel()
             if isinstance(exc, grpc.aio.AioRpcError):
                 raise peer_error(exc, peer) from None
             raise
         return TransferStats("mooncake", reply.bytes_received, time.perf_counter() - start,
-                             {"segments": len(segments[2]) if segments else 0})
+                             {"segments": segments})
 
-    async def _first_contact(self, ticket: worker_pb2.Ticket,
-                             segments: Segments | None) -> None:
+    async def _first_contact(self, ticket: worker_pb2.Ticket) -> None:
         """The preflight writes into this transfer's own reserved blocks (so
-        nothing else is touched) until PREFLIGHT_BYTES: the transfer's
-        segments, or, before its blocks are computed, the reserved blocks
-        from the start of this worker's cache."""
+        nothing else is touched), from the start of this worker's cache,
+        until PREFLIGHT_BYTES."""
         peer = ticket.decode_worker_id
         if peer in self.bandwidth:
             return
-        if segments is None:
-            ids = list(ticket.block_ids)
-            segments = self.endpoint.segments(ticket.mooncake, list(range(len(ids))), ids)
-        src, dst, lengths = segments
+        ids = list(ticket.block_ids)
+        src, dst, lengths = self.endpoint.segments(ticket.mooncake, list(range(len(ids))), ids)
         repeats = max(1, min(MAX_PREFLIGHT_REPEATS, -(-PREFLIGHT_BYTES // sum(lengths))))
         start = time.perf_counter()
         try:
@@ -200,6 +222,19 @@ class MooncakeSender(KVSender):
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.endpoint.thread, fn, *args)
+
+
+async def _guarded(transfer_coro) -> TransferStats:
+    """Run a transfer; cancelled, it is cancelled too, and this returns
+    only once it is over (its ``stop`` waits for the writes in flight).
+    NOTE: the caller frees the source blocks when this returns."""
+    transfer = asyncio.ensure_future(transfer_coro)
+    try:
+        return await asyncio.shield(transfer)
+    except asyncio.CancelledError:
+        transfer.cancel()
+        await asyncio.wait([transfer])
+        raise
 
 
 def _stream_timeout(ticket: worker_pb2.Ticket) -> float:

@@ -37,3 +37,47 @@ class PrefillProgress:
             self._changed.clear()
             await self._changed.wait()
         return self.ready
+
+
+class PromptDone:
+    """An engine ``LayerKVSink`` that resolves ``blocks`` with the prompt's
+    block ids (and, on a GPU, a CUDA event to wait for) right after the
+    forward pass that completes the prompt: inside that step, before its
+    sampling and outputs, so a one-batch transfer starts that much earlier
+    than the request's final output (and without a call to the engine
+    thread, which may be busy with the next step by then)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, device: torch.device,
+                 num_blocks: int) -> None:
+        """``num_blocks``: the prompt's (a chunked prompt's table is shorter
+        until its last chunk)."""
+        self.loop = loop
+        self.cuda = device.type == "cuda"
+        self.num_blocks = num_blocks
+        self.blocks: asyncio.Future = loop.create_future()
+        self._ids: list[int] = []
+        self._complete = False
+
+    def begin_step(self, block_ids: list[int], num_final: int) -> None:
+        self._ids, self._complete = block_ids, num_final == self.num_blocks
+
+    def layer_done(self, layer: int) -> None:
+        pass
+
+    def end_step(self) -> None:
+        if not self._complete:
+            return
+        event = None
+        if self.cuda:  # the forward's kernels are queued, not done: the write waits for them
+            event = torch.cuda.Event()
+            event.record()
+        self.loop.call_soon_threadsafe(resolve_once, self.blocks, (list(self._ids), event))
+
+    def rewind(self) -> None:
+        pass
+
+
+def resolve_once(future: asyncio.Future, value) -> None:
+    """Resolve ``future`` unless it is already (on its event loop)."""
+    if not future.done():
+        future.set_result(value)

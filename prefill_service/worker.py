@@ -16,7 +16,7 @@ from kv_transfer.base import KVSender
 from kv_transfer.grpc_transport import GrpcSender
 from kv_transfer.layout import KVLayout
 from kv_transfer.mooncake_transport import MooncakeSender
-from kv_transfer.progress import PrefillProgress
+from kv_transfer.progress import PrefillProgress, PromptDone
 from kv_transfer.torch_transport import TorchSender
 from rpc.convert import logprobs_to_proto, params_from_proto
 from rpc.errors import Fenced
@@ -48,7 +48,7 @@ class PrefillWorker(WorkerBase):
             self.senders["mooncake"] = MooncakeSender(self.kv_transports.mooncake, self.layout,
                                                       self.channels, worker_id)
         self.default_transport = self.kv_transports.default
-        self.layer_writes = self.kv_transports.config.mooncake_layer_writes
+        self.layer_writes = self.kv_transports.layer_writes(self.io.device)
         for sender in self.senders.values():
             sender.on_preflight.append(
                 lambda transport, peer, rate: self.metrics.peer_bandwidth.labels(
@@ -117,30 +117,36 @@ class PrefillWorker(WorkerBase):
             # would free the blocks of the other request that holds this id.
             raise ValueError(f"request id {request_id!r} is already in use")
 
-        layers = None  # writes by layer: (the engine's sink, resolved when the prompt is done)
+        sink = None  # mooncake's engine sink: writes by layer, or the prompt's end
 
         def add(engine: LLMEngine) -> None:
             # Its blocks are held until the decode worker has the KV.
             engine.add_request(request_id, tokens, first_params, hold_blocks=True)
-            if layers is not None:
-                engine.stream_layers(request_id, layers[0])
+            if sink is not None:
+                engine.stream_layers(request_id, sink)
 
         self.inflight.add(request_id)
         computed = False
         transfer: asyncio.Future | None = None
         watch = None
+        # Mooncake opens its transfer now, and writes by layer or as soon as
+        # the forward pass that completes the prompt is over.
         try:
-            if isinstance(sender, MooncakeSender) and self.layer_writes:
-                # Each layer's KV is written while the layers after it compute.
-                done = asyncio.get_running_loop().create_future()
+            if isinstance(sender, MooncakeSender):
 
                 def by_layer(span):
-                    nonlocal layers
-                    writes = sender.layer_writes(ticket, span)
-                    layers = (writes, done)
-                    return sender.send_layers(request_id, ticket, writes, done)
+                    nonlocal sink
+                    sink = sender.layer_writes(ticket, span)
+                    return sender.send_layers(request_id, ticket, sink)
 
-                send_span, transfer = self._start_send(sender, ticket, by_layer)
+                def at_end(_):
+                    nonlocal sink
+                    sink = PromptDone(asyncio.get_running_loop(), self.io.device,
+                                      len(ticket.block_ids))
+                    return sender.send_when(request_id, ticket, sink.blocks)
+
+                send_span, transfer = self._start_send(
+                    sender, ticket, by_layer if self.layer_writes else at_end)
                 self.transfers[request_id] = transfer
             elif sender.streams_during_compute:
                 # Blocks travel as chunks of the prompt finish computing.
@@ -151,7 +157,8 @@ class PrefillWorker(WorkerBase):
                     sender, ticket, lambda _: sender.send_progressive(request_id, ticket, progress))
                 self.transfers[request_id] = transfer
             final, text = None, ""
-            with _tracer.start_as_current_span("prefill.compute") as span:
+            with _tracer.start_as_current_span("prefill.compute",
+                                                attributes={"request_id": request_id}) as span:
                 async for out in self.aengine.stream(request_id, add):
                     final = out
                     text += out.outputs[0].delta_text
@@ -161,6 +168,7 @@ class PrefillWorker(WorkerBase):
                                  "cached_tokens": final.num_cached_tokens,
                                  "queue_s": _queue_seconds(final)})
             computed = True
+            compute_end = time.perf_counter()
             comp = final.outputs[0]
             if not comp.token_ids:  # structured outputs: the grammar allowed no first token
                 raise ValueError(f"request {request_id!r}: its grammar allows no first token "
@@ -171,13 +179,12 @@ class PrefillWorker(WorkerBase):
                 send_span, transfer = self._start_send(
                     sender, ticket, lambda _: sender.send(request_id, ticket, held.block_ids))
                 self.transfers[request_id] = transfer
-            elif layers is not None:
-                layers[1].set_result(None)  # every layer write is queued
-            else:
+            elif sink is None:
                 progress.complete()
             try:
                 stats = await transfer
-                send_span.set_attribute("bytes", stats.bytes)
+                handoff = time.perf_counter() - compute_end
+                send_span.set_attributes({"bytes": stats.bytes, "handoff_s": handoff})
                 end_span(send_span)
             except BaseException as exc:
                 end_span(send_span, exc)
@@ -205,7 +212,7 @@ class PrefillWorker(WorkerBase):
             await self.aengine.run(lambda e: e.release(request_id))
         resp = worker_pb2.PrefillResponse(
             first_token_id=first_token, num_cached_tokens=final.num_cached_tokens,
-            kv_bytes=stats.bytes, transfer_seconds=stats.seconds,
+            kv_bytes=stats.bytes, transfer_seconds=handoff,
         )
         if comp.finish_reason == "stop" or params.max_tokens == 1:
             # The first token ends the request (EOS, a stop token or string,

@@ -19,6 +19,7 @@ from tandem.bench.compare import comparison_table, gate_mismatch, parse_arms
 from tandem.bench.datasets import (
     FIRST_PLAIN_TOKEN,
     BenchRequest,
+    mixed_requests,
     random_requests,
     shared_prefix_requests,
     sharegpt_requests,
@@ -143,6 +144,18 @@ def test_random_dataset_is_deterministic_and_in_range():
         assert all(FIRST_PLAIN_TOKEN <= t < 1000 for t in r.prompt)
     fixed = random_requests(3, 16, 8, 0.0, seed=0)
     assert [(r.prompt_len, r.output_len) for r in fixed] == [(16, 8)] * 3
+
+
+def test_mixed_dataset_has_its_share_of_long_prompts():
+    reqs = mixed_requests(200, short_len=16, long_len=400, long_fraction=0.25, output_len=8,
+                          vocab_size=1000, seed=3)
+    long = [r for r in reqs if r.prompt_len == 400]
+    assert all(r.prompt_len in (16, 400) and len(r.prompt) == r.prompt_len for r in reqs)
+    assert 30 <= len(long) <= 70 and all(r.output_len == 8 for r in reqs)
+    assert stream_hash(reqs) == stream_hash(mixed_requests(200, 16, 400, 0.25, 8, 0.0, 1000, 3))
+    assert all(r.prompt_len == 16 for r in mixed_requests(20, 16, 400, 0.0, 8, seed=1))
+    with pytest.raises(ValueError):
+        mixed_requests(4, 16, 400, 1.5, 8)
 
 
 def test_shared_prefix_dataset_shares_prefixes():

@@ -85,6 +85,31 @@ def test_a_chunked_prompt_is_streamed_layer_by_layer(model_dir):
     assert engine.layer_streams.sinks == {}
 
 
+def test_prompt_done_resolves_after_the_last_chunk_only(model_dir):
+    """The one-batch mooncake sink: the future holds every block of the
+    prompt, resolved in the step of its last chunk (not when a chunk's
+    table happens to be all final)."""
+    import asyncio
+
+    from kv_transfer.progress import PromptDone
+
+    engine = make_engine(model_dir, block_size=BS, long_prefill_token_threshold=32,
+                         max_num_batched_tokens=32)
+    loop = asyncio.new_event_loop()
+    try:
+        sink = PromptDone(loop, engine.kv_blocks.device, num_blocks=5)
+        add(engine, "d", list(range(3, 75)), sink)  # 72 tokens: 5 blocks, 3 chunks
+        engine.step()
+        engine.step()
+        loop.run_until_complete(asyncio.sleep(0))
+        assert not sink.blocks.done()  # 4 of 5 blocks are in the table, all final
+        engine.step()
+        ids, event = loop.run_until_complete(sink.blocks)
+        assert ids == engine.kv_progress("d").block_ids and len(ids) == 5 and event is None
+    finally:
+        loop.close()
+
+
 def test_prefix_cached_blocks_are_final_at_the_first_step(model_dir):
     engine = make_engine(model_dir, block_size=BS)
     tokens = list(range(3, 40))

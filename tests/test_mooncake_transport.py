@@ -1,10 +1,11 @@
 """The mooncake KV transport between real worker processes, over the
-transfer engine's TCP protocol on loopback (layer by layer, the default):
-a gateway on it gives the colocated greedy text and leaks no block; a
-completion count short by a layer is refused; a decode worker killed while a
-transfer waits on it costs the prefill worker nothing and the gateway
-retries; a transport that cannot start (protocol rdma without an RDMA NIC)
-falls back to grpc, logged and counted.
+transfer engine's TCP protocol on loopback: a gateway on it gives the
+colocated greedy text and leaks no block; written layer by layer, a chunked
+prompt's KV gives the same text and the trace shows a write per layer per
+chunk; a completion count short by a layer is refused; a decode worker
+killed while a transfer waits on it costs the prefill worker nothing and
+the gateway retries; a transport that cannot start (protocol rdma without
+an RDMA NIC) falls back to grpc, logged and counted.
 
 Needs the ``mooncake-transfer-engine-non-cuda`` wheel and Debian's
 ``libibverbs1``/``librdmacm1`` (scripts/install_rdma_libs.sh).
@@ -37,9 +38,11 @@ pytest.importorskip("mooncake.engine", reason="the mooncake wheel or its RDMA li
 
 NUM_BLOCKS = 64
 MOONCAKE = ("--transport", "mooncake,grpc")
-# The prefill worker computes prompts in 16-token chunks: a prompt's KV is
-# written layer by layer over several steps.
+# Prefill workers compute prompts in 16-token chunks: the one write after the
+# prompt (a CPU's default) comes after several steps, and written by layer a
+# prompt's KV goes over several steps.
 CHUNKED = ("--long-prefill-token-threshold", "16", "--max-num-batched-tokens", "16")
+BY_LAYER = ("--mooncake-layer-writes", "on", *CHUNKED)
 PROMPTS = ["the quick brown fox", "a" * 150, "tandem " * 30]
 
 
@@ -61,6 +64,11 @@ def workers(cluster):
     disagg += start_workers(cluster, ["decode", "decode"], NUM_BLOCKS, *MOONCAKE, metrics=True)
     both = start_workers(cluster, ["both"], NUM_BLOCKS)
     return disagg + both
+
+
+@pytest.fixture(scope="module")
+def by_layer(cluster):
+    return start_worker(cluster, "prefill", tiny_model(), NUM_BLOCKS, *MOONCAKE, *BY_LAYER)
 
 
 @pytest.fixture(scope="module")
@@ -157,11 +165,11 @@ def test_mooncake_gives_the_colocated_text_and_frees_every_block(workers, gatewa
                   transport="mooncake") > 0
 
 
-async def test_layer_writes_follow_the_chunks_in_the_trace(workers, trace_file):
+async def test_layer_writes_follow_the_chunks_in_the_trace(workers, by_layer, trace_file):
     """A 100-token prompt in 7 chunks: one write per layer per chunk, each
     one block further and after that layer computed it, all under the
     transfer's span; the decode worker continues as the colocated one."""
-    prefill, decode, both = workers[0], workers[1], workers[3]
+    prefill, decode, both = by_layer, workers[1], workers[3]
     prompt, p = list(range(3, 103)), params(max_tokens=6, temperature=0.0, ignore_eos=True)
     async with Gateway() as gw:
         out = await gw.disaggregated(prefill, decode, "traced", prompt, p, "mooncake")
@@ -186,7 +194,7 @@ async def test_layer_writes_follow_the_chunks_in_the_trace(workers, trace_file):
         assert [s["attributes"]["blocks_upto"] for s in mine] == list(range(1, 8))
         done = sorted(s["end"] for s in computed if s["attributes"]["layer"] == layer)
         assert len(done) == 7 and all(w["start"] >= end for w, end in zip(mine, done))
-    wait_blocks_free(workers[:2])
+    wait_blocks_free([by_layer, decode])
 
 
 async def test_a_completion_count_that_does_not_match_is_refused(workers):

@@ -114,3 +114,65 @@ def test_pending_records_are_bounded():
         assert len(store.pending) == 2 and store.unrecorded == 3
 
     asyncio.run(run())
+
+
+def test_records_held_while_a_replay_runs_are_replayed_too():
+    """After a restart, Redis answers between failures (each stale pooled
+    connection fails once): a record held while a replay runs, and after the
+    breaker closed again, must still reach Redis with every later write."""
+
+    class Gated(MemoryStore):
+        """Down when ``down``; its writes wait at ``gate`` while it is set."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.down = False
+            self.gate: asyncio.Event | None = None
+            self.waiting = 0  # writes waiting at the gate
+
+        async def _reach(self, write: bool) -> None:
+            if self.down:
+                raise ConnectionError("down")
+            if write and self.gate is not None and not self.gate.is_set():
+                self.waiting += 1
+                await self.gate.wait()
+
+        async def create(self, *a):
+            await self._reach(True)
+            await super().create(*a)
+
+        async def update(self, *a):
+            await self._reach(True)
+            return await super().update(*a)
+
+        async def get(self, *a):
+            await self._reach(False)
+            return await super().get(*a)
+
+    async def run() -> None:
+        primary = Gated()
+        store = FallbackStore(primary, timeout_s=10.0, cooldown_s=0.0)
+        primary.down = True
+        await store.create("a", {"tokens_sent": 0})  # held
+        primary.down, primary.gate = False, asyncio.Event()
+        await store.get("x")  # Redis answers: the replay starts and waits at the gate
+        replay = store._replaying
+        while not primary.waiting:
+            assert replay is not None and not replay.done()
+            await asyncio.sleep(0)
+
+        primary.down = True
+        await store.create("b", {"tokens_sent": 0})  # fails: held while the replay runs
+        primary.down = False
+        await store.get("x")  # answers again: the breaker closes, the replay still runs
+        assert store.available and store._replaying is replay
+        await store.update("b", 1, {"state": State.FINISHED})  # "b" is held: queued behind
+
+        primary.gate.set()
+        await replay
+        assert store.pending == {}
+        assert (await primary.get("a"))["state"] == "QUEUED"
+        assert (await primary.get("b"))["state"] == "FINISHED"
+        await store.close()
+
+    asyncio.run(run())

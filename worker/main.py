@@ -62,10 +62,11 @@ def parser(description: str, roles: list[str]) -> argparse.ArgumentParser:
                    help="the mooncake transport's protocol: tcp anywhere, rdma with an RDMA NIC")
     g.add_argument("--mooncake-device", default="",
                    help="RDMA NIC(s) for --mooncake-protocol rdma, e.g. mlx5_0 (default: any)")
-    g.add_argument("--mooncake-layer-writes", default=True, action=argparse.BooleanOptionalAction,
-                   help="a prefill worker writes each layer's KV over mooncake as soon as the "
-                        "layer computed it, overlapping the later layers' compute (default); "
-                        "--no-mooncake-layer-writes: one write after the whole prompt")
+    g.add_argument("--mooncake-layer-writes", default="auto", choices=["auto", "on", "off"],
+                   help="on: a prefill worker writes each layer's KV over mooncake as soon as "
+                        "the layer computed it, overlapping the later layers' compute; off: "
+                        "one write when the prompt is done; auto (default): on when the KV "
+                        "cache is on a GPU (on a CPU the writes would share its cores)")
     g.add_argument("--log-format", default="plain", choices=["plain", "json"])
     g.add_argument("--cpu-cores", default=None, metavar="LIST",
                    help="compute only on these cores, e.g. 0-3 (one torch thread each); "

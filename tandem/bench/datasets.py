@@ -7,6 +7,9 @@ it).
   from ``[len * (1 - range_ratio), len * (1 + range_ratio)]``.
 - ``shared-prefix``: ``num_prefixes`` random prefixes, each request one of
   them plus a random suffix, in shuffled order (exercises prefix caching).
+- ``mixed``: random token ids, most prompts short and a fraction long
+  (where to prefill matters: ``--disagg-policy``); each request is long with
+  probability ``long_fraction``, lengths as for ``random``.
 - ``sharegpt``: first human turn of ShareGPT-style conversations from a local
   JSON file as the text prompt; the reply's token length as the output
   length, unless fixed.
@@ -66,6 +69,21 @@ def random_requests(num: int, input_len: int, output_len: int, range_ratio: floa
     for _ in range(num):
         n_in, n_out = _lengths(rng, input_len, range_ratio), _lengths(rng, output_len,
                                                                        range_ratio)
+        out.append(BenchRequest(_tokens(rng, n_in, vocab_size), n_in, n_out))
+    return out
+
+
+def mixed_requests(num: int, short_len: int, long_len: int, long_fraction: float,
+                   output_len: int, range_ratio: float = 0.0, vocab_size: int = 32000,
+                   seed: int = 0) -> list[BenchRequest]:
+    _check(num, vocab_size, input_len=short_len, long_len=long_len, output_len=output_len)
+    if not 0 <= long_fraction <= 1:
+        raise ValueError(f"the long fraction must be in [0, 1], got {long_fraction}")
+    rng = random.Random(seed)
+    out = []
+    for _ in range(num):
+        mean = long_len if rng.random() < long_fraction else short_len
+        n_in, n_out = _lengths(rng, mean, range_ratio), _lengths(rng, output_len, range_ratio)
         out.append(BenchRequest(_tokens(rng, n_in, vocab_size), n_in, n_out))
     return out
 

@@ -23,6 +23,7 @@ from tandem.bench import spec_metrics
 from tandem.bench.arrivals import arrival_offsets, parse_rates, rate_label
 from tandem.bench.datasets import (
     BenchRequest,
+    mixed_requests,
     random_requests,
     shared_prefix_requests,
     sharegpt_requests,
@@ -63,7 +64,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def add_dataset_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("dataset")
-    g.add_argument("--dataset", default="random", choices=["random", "sharegpt", "shared-prefix"])
+    g.add_argument("--dataset", default="random",
+                   choices=["random", "sharegpt", "shared-prefix", "mixed"])
     g.add_argument("--num-prompts", type=int, default=100)
     g.add_argument("--seed", type=int, default=0,
                    help="same seed and flags: the same requests at the same times")
@@ -80,6 +82,10 @@ def add_dataset_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer", default=None,
                    help="model directory whose tokenizer counts ShareGPT tokens "
                         "(default: the bundled SmolLM2)")
+    g.add_argument("--mixed-long-len", type=int, default=1024,
+                   help="mixed: the long prompts' length (short: --random-input-len)")
+    g.add_argument("--mixed-long-fraction", type=float, default=0.2,
+                   help="mixed: the chance that a prompt is long")
     g.add_argument("--num-prefixes", type=int, default=4)
     g.add_argument("--prefix-len", type=int, default=256)
     g.add_argument("--suffix-len", type=int, default=32)
@@ -103,6 +109,10 @@ def build_dataset(args: argparse.Namespace) -> list[BenchRequest]:
     if args.dataset == "random":
         return random_requests(args.num_prompts, args.random_input_len, args.random_output_len,
                                args.random_range_ratio, args.vocab_size, args.seed)
+    if args.dataset == "mixed":
+        return mixed_requests(args.num_prompts, args.random_input_len, args.mixed_long_len,
+                              args.mixed_long_fraction, args.random_output_len,
+                              args.random_range_ratio, args.vocab_size, args.seed)
     if args.dataset == "shared-prefix":
         return shared_prefix_requests(args.num_prompts, args.num_prefixes, args.prefix_len,
                                       args.suffix_len, args.shared_prefix_output_len,

@@ -48,6 +48,7 @@ int amx_request(void) { return (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM,
 #define KEYS 32      /* keys per step: two score tiles, one P tile's depth */
 #define MAX_DIM 256
 #define MAX_GROUP 16
+#define PACK_AHEAD 4 /* query tiles from which a sequence's cache is packed once for all */
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -109,8 +110,8 @@ typedef struct {
     int32_t *qt;   /* [group][dim / 32][16 dim pairs][16 tokens]: Q^T tiles of the work item */
     float *o;      /* [group][ROWS][dim] float32 accumulators */
     float *m, *l;  /* [group][ROWS] running max (of scaled scores) and sum */
-    uint16_t *k;   /* [KEYS][dim] keys of a step, where blocks do not hold 16 whole rows */
-    int32_t *vp;   /* [dim / 16][16 key pairs][16 dims]: V tiles of one step */
+    int32_t *vp;   /* one step's values, for a sequence not packed ahead (see pack_step) */
+    uint16_t *k;   /* and its keys, where they are not read in place */
     float *st;     /* [KEYS][ROWS] scores S^T of one head and step */
     int32_t *pt;   /* [ROWS][16 key pairs]: P (bf16 pairs) of one head and step */
 } scratch_t;
@@ -131,26 +132,25 @@ static void *zalloc(size_t bytes) {
    elements apart; k1 unused when n <= 16). Token r sees the step's first
    seen0 + r keys; seen0 >= KEYS: all of them. */
 static void step_head(scratch_t *sc, int h, int dim, const uint16_t *k0, const uint16_t *k1,
-                      int64_t kstride, int n, int seen0, float scale)
+                      int64_t kstride, const int32_t *vp, int n, int seen0, float scale)
 {
     const int ks = dim / 32;
     const int32_t *qt = sc->qt + (int64_t)h * ks * 256;
+    /* Tile numbers are constants: 0 and 1 hold the two 16-key halves' scores
+       (independent chains, so one tile's multiply hides the other's latency). */
     _tile_zero(0);
+    _tile_zero(1);
     for (int kk = 0; kk < ks; kk++) {
+        _tile_loadd(4, qt + kk * 256, 64);
         _tile_loadd(2, k0 + kk * 32, kstride * 2);
-        _tile_loadd(3, qt + kk * 256, 64);
-        _tile_dpbf16ps(0, 2, 3);
+        _tile_dpbf16ps(0, 2, 4);
+        if (n > 16) {
+            _tile_loadd(3, k1 + kk * 32, kstride * 2);
+            _tile_dpbf16ps(1, 3, 4);
+        }
     }
     _tile_stored(0, sc->st, 64);
-    if (n > 16) {
-        _tile_zero(1);
-        for (int kk = 0; kk < ks; kk++) {
-            _tile_loadd(2, k1 + kk * 32, kstride * 2);
-            _tile_loadd(3, qt + kk * 256, 64);
-            _tile_dpbf16ps(1, 2, 3);
-        }
-        _tile_stored(1, sc->st + 16 * ROWS, 64);
-    }
+    if (n > 16) _tile_stored(1, sc->st + 16 * ROWS, 64);
     float *mp = sc->m + h * ROWS, *lp = sc->l + h * ROWS, *o = sc->o + (int64_t)h * ROWS * dim;
     const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
     __m512 s[KEYS];
@@ -195,40 +195,60 @@ static void step_head(scratch_t *sc, int h, int dim, const uint16_t *k0, const u
         x[kp] = _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(p[2 * kp + 1], p[2 * kp]));
     transpose16(x);
     for (int r = 0; r < ROWS; r++) _mm512_store_si512(sc->pt + r * 16, x[r]);
-    _tile_loadd(5, sc->pt, 64);
-    for (int c = 0; c < dim / 16; c++) {
-        _tile_loadd(7, o + c * 16, dim * 4);
-        _tile_loadd(6, sc->vp + c * 256, 64);
-        _tile_dpbf16ps(7, 5, 6);
-        _tile_stored(7, o + c * 16, dim * 4);
+    /* O += P V, four 16-dim column tiles of O at a time (tiles 4-7). */
+    _tile_loadd(0, sc->pt, 64);
+    const int nd = dim / 16;  /* even */
+    for (int c = 0; c < nd; c += 4) {
+        const int four = c + 2 < nd;
+        _tile_loadd(4, o + c * 16, dim * 4);
+        _tile_loadd(5, o + (c + 1) * 16, dim * 4);
+        _tile_loadd(1, vp + c * 256, 64);
+        _tile_loadd(2, vp + (c + 1) * 256, 64);
+        _tile_dpbf16ps(4, 0, 1);
+        _tile_dpbf16ps(5, 0, 2);
+        if (four) {
+            _tile_loadd(6, o + (c + 2) * 16, dim * 4);
+            _tile_loadd(7, o + (c + 3) * 16, dim * 4);
+            _tile_loadd(3, vp + (c + 2) * 256, 64);
+            _tile_dpbf16ps(6, 0, 3);
+            _tile_loadd(1, vp + (c + 3) * 256, 64);
+            _tile_dpbf16ps(7, 0, 1);
+        }
+        _tile_stored(4, o + c * 16, dim * 4);
+        _tile_stored(5, o + (c + 1) * 16, dim * 4);
+        if (four) {
+            _tile_stored(6, o + (c + 2) * 16, dim * 4);
+            _tile_stored(7, o + (c + 3) * 16, dim * 4);
+        }
     }
 }
 
-/* Values of keys c0 .. c0 + n - 1 of kv head g into sc->vp (pairs of keys
-   interleaved, zero past n); their keys into sc->k (zero past n) unless
-   `keys_in_place`. */
-static void repack(scratch_t *sc, const uint16_t *k_cache, const uint16_t *v_cache,
-                   int64_t cs0, int64_t cs1, int64_t cs2, const int32_t *table, int block_size,
-                   int g, int c0, int n, int dim, int keys_in_place)
+/* One step of a sequence's cache, kv head g, keys c0 .. c0 + n - 1 (n <=
+   KEYS), packed: values into `vp` ([dim / 16][16 key pairs][16 dims], pairs
+   of keys interleaved), and keys into `kp` ([KEYS][dim]) unless it is NULL;
+   zero past n. */
+static void pack_step(int32_t *vp, uint16_t *kp, const uint16_t *k_cache, const uint16_t *v_cache,
+                      int64_t cs0, int64_t cs1, int64_t cs2, const int32_t *table, int block_size,
+                      int g, int c0, int n, int dim)
 {
     const uint16_t *vrow[KEYS];
     for (int i = 0; i < n; i++) {
         int pos = c0 + i;
         int64_t off = (int64_t)table[pos / block_size] * cs0 + (pos % block_size) * cs1 + g * cs2;
         vrow[i] = v_cache + off;
-        if (!keys_in_place) memcpy(sc->k + i * dim, k_cache + off, dim * 2);
+        if (kp) memcpy(kp + i * dim, k_cache + off, dim * 2);
     }
-    if (!keys_in_place && n < KEYS) memset(sc->k + n * dim, 0, (KEYS - n) * dim * 2);
+    if (kp && n < KEYS) memset(kp + n * dim, 0, (KEYS - n) * dim * 2);
     const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
                                         39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
     const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
-    for (int kp = 0; kp < KEYS / 2; kp++) {
-        const uint16_t *a = 2 * kp < n ? vrow[2 * kp] : NULL, *b = 2 * kp + 1 < n ? vrow[2 * kp + 1] : NULL;
+    for (int j = 0; j < KEYS / 2; j++) {
+        const uint16_t *a = 2 * j < n ? vrow[2 * j] : NULL, *b = 2 * j + 1 < n ? vrow[2 * j + 1] : NULL;
         for (int d = 0; d < dim; d += 32) {
             __m512i va = a ? _mm512_loadu_si512(a + d) : _mm512_setzero_si512();
             __m512i vb = b ? _mm512_loadu_si512(b + d) : _mm512_setzero_si512();
-            _mm512_store_si512(sc->vp + ((d / 16) * 16 + kp) * 16, _mm512_permutex2var_epi16(va, lo, vb));
-            _mm512_store_si512(sc->vp + ((d / 16 + 1) * 16 + kp) * 16, _mm512_permutex2var_epi16(va, hi, vb));
+            _mm512_store_si512(vp + ((d / 16) * 16 + j) * 16, _mm512_permutex2var_epi16(va, lo, vb));
+            _mm512_store_si512(vp + ((d / 16 + 1) * 16 + j) * 16, _mm512_permutex2var_epi16(va, hi, vb));
         }
     }
 }
@@ -247,30 +267,59 @@ int amx_prefill(
 {
     int group = num_kv_heads > 0 ? num_heads / num_kv_heads : 0;
     if (dim % 32 || dim > MAX_DIM || dim <= 0 || group < 1 || group > MAX_GROUP
-        || group * num_kv_heads != num_heads || min_query_len < 1)
+        || group * num_kv_heads != num_heads || min_query_len < 1 || num_seqs < 0)
         return -1;
-    int64_t num_tiles = 0;
-    for (int s = 0; s < num_seqs; s++) {
-        int q_len = query_start_loc[s + 1] - query_start_loc[s];
-        if (q_len >= min_query_len) num_tiles += (q_len + ROWS - 1) / ROWS;
-    }
+#define SERVED(s) (query_start_loc[(s) + 1] - query_start_loc[s] >= min_query_len)
+#define TILES(s) ((query_start_loc[(s) + 1] - query_start_loc[s] + ROWS - 1) / ROWS)
+    /* Query tiles, and the 32-key steps of the caches packed ahead. */
+    int64_t num_tiles = 0, num_steps = 0;
+    for (int s = 0; s < num_seqs; s++)
+        if (SERVED(s)) {
+            num_tiles += TILES(s);
+            if (TILES(s) >= PACK_AHEAD) num_steps += (seq_lens[s] + KEYS - 1) / KEYS;
+        }
     if (num_tiles == 0) return 0;
-    /* Longest first (keys a tile reads), so the dynamic schedule ends even. */
+    /* A sequence of PACK_AHEAD+ tiles has each step's values (and keys,
+       where blocks do not hold whole 16-key tiles to read in place) packed
+       once, before any tile reads them: step j, kv head g at
+       (first[s] + j) * num_kv_heads + g. Shorter ones (first[s] = -1) pack
+       each step as a tile reaches it, into a buffer that stays in L1. */
+    const int in_place = block_size % 16 == 0;
+    const int64_t v_step = (int64_t)(dim / 16) * 256, k_step = (int64_t)KEYS * dim;
     item_t *tiles = malloc(sizeof(item_t) * num_tiles);
-    if (!tiles) return -1;
-    int64_t k = 0;
+    int64_t *first = malloc(sizeof(int64_t) * (num_seqs + 1));
+    int32_t *step_seq = malloc(sizeof(int32_t) * (num_steps + 1));
+    int32_t *vpack = aligned_alloc(64, (num_steps * num_kv_heads * v_step + 1) * 4);
+    uint16_t *kpack = in_place ? NULL : aligned_alloc(64, (num_steps * num_kv_heads * k_step + 1) * 2);
+    int failed = !tiles || !first || !step_seq || !vpack || (!in_place && !kpack);
+    if (failed) goto done;
+    int64_t k = 0, j = 0;
     for (int s = 0; s < num_seqs; s++) {
+        first[s] = -1;
+        if (!SERVED(s)) continue;
         int start = query_start_loc[s], end = query_start_loc[s + 1];
-        if (end - start < min_query_len) continue;
+        /* Longest first (keys a tile reads), so the dynamic schedule ends even. */
         for (int t0 = start; t0 < end; t0 += ROWS) {
             int nt = end - t0 < ROWS ? end - t0 : ROWS;
             tiles[k++] = (item_t){s, t0, seq_lens[s] - (end - t0) + nt};
         }
+        if (TILES(s) < PACK_AHEAD) continue;
+        first[s] = j;
+        for (int c = 0; c < (seq_lens[s] + KEYS - 1) / KEYS; c++) step_seq[j++] = s;
     }
+#undef TILES
+#undef SERVED
     qsort(tiles, num_tiles, sizeof(item_t), by_cost);
-    int failed = 0;
     #pragma omp parallel
     {
+        #pragma omp for schedule(static)
+        for (int64_t it = 0; it < num_steps * num_kv_heads; it++) {
+            int64_t step = it / num_kv_heads;
+            int s = step_seq[step], g = (int)(it % num_kv_heads), c0 = (int)(step - first[s]) * KEYS;
+            int n = seq_lens[s] - c0 < KEYS ? seq_lens[s] - c0 : KEYS;
+            pack_step(vpack + it * v_step, in_place ? NULL : kpack + it * k_step, k_cache, v_cache,
+                      cs0, cs1, cs2, block_tables + (int64_t)s * bts0, block_size, g, c0, n, dim);
+        }
         tile_config cfg;
         memset(&cfg, 0, sizeof cfg);
         cfg.palette = 1;
@@ -285,11 +334,11 @@ int amx_prefill(
         sc.o = zalloc(rows * dim * 4);
         sc.m = zalloc(rows * 4);
         sc.l = zalloc(rows * 4);
-        sc.k = zalloc(KEYS * dim * 2);
-        sc.vp = zalloc((dim / 16) * 1024);
+        sc.vp = zalloc(v_step * 4);
+        sc.k = zalloc(k_step * 2);
         sc.st = zalloc(KEYS * ROWS * 4);
         sc.pt = zalloc(ROWS * 16 * 4);
-        int ok = sc.qt && sc.o && sc.m && sc.l && sc.k && sc.vp && sc.st && sc.pt;
+        int ok = sc.qt && sc.o && sc.m && sc.l && sc.vp && sc.k && sc.st && sc.pt;
         if (!ok) {
             #pragma omp atomic write
             failed = 1;
@@ -319,20 +368,30 @@ int amx_prefill(
                 sc.m[r] = -INFINITY;
                 sc.l[r] = 0.f;
             }
-            /* 16 keys lie in one block, cs1 apart, where blocks hold whole tiles of keys */
-            const int in_place = block_size % 16 == 0;
             for (int c0 = 0; c0 < ctx_end; c0 += KEYS) {
                 int n = ctx_end - c0 < KEYS ? ctx_end - c0 : KEYS;
-                repack(&sc, k_cache, v_cache, cs0, cs1, cs2, table, block_size, g, c0, n, dim, in_place);
-                const uint16_t *k0 = sc.k, *k1 = sc.k + 16 * dim;
-                int64_t kstride = dim;
-                if (in_place) {
+                const int32_t *vp = sc.vp;
+                const uint16_t *k0 = sc.k, *k1;
+                if (first[s] < 0) {
+                    pack_step(sc.vp, in_place ? NULL : sc.k, k_cache, v_cache, cs0, cs1, cs2, table,
+                              block_size, g, c0, n, dim);
+                } else {
+                    int64_t packed = (first[s] + c0 / KEYS) * num_kv_heads + g;
+                    vp = vpack + packed * v_step;
+                    if (!in_place) k0 = kpack + packed * k_step;
+                }
+                int64_t kstride;
+                if (in_place) {  /* a 16-key tile: 16 rows of one block, cs1 apart */
                     int p1 = n > 16 ? c0 + 16 : c0;
                     k0 = k_cache + (int64_t)table[c0 / block_size] * cs0 + (c0 % block_size) * cs1 + g * cs2;
                     k1 = k_cache + (int64_t)table[p1 / block_size] * cs0 + (p1 % block_size) * cs1 + g * cs2;
                     kstride = cs1;
+                } else {
+                    k1 = k0 + 16 * dim;
+                    kstride = dim;
                 }
-                for (int h = 0; h < group; h++) step_head(&sc, h, dim, k0, k1, kstride, n, ctx0 - c0, scale);
+                for (int h = 0; h < group; h++)
+                    step_head(&sc, h, dim, k0, k1, kstride, vp, n, ctx0 - c0, scale);
             }
             for (int h = 0; h < group; h++)
                 for (int r = 0; r < nt; r++) {
@@ -345,9 +404,10 @@ int amx_prefill(
                 }
         }
         _tile_release();
-        free(sc.qt); free(sc.o); free(sc.m); free(sc.l); free(sc.k); free(sc.vp); free(sc.st); free(sc.pt);
+        free(sc.qt); free(sc.o); free(sc.m); free(sc.l); free(sc.vp); free(sc.k); free(sc.st); free(sc.pt);
     }
-    free(tiles);
+done:
+    free(tiles); free(first); free(step_seq); free(vpack); free(kpack);
     return failed ? -1 : 0;
 }
 #else

@@ -2,8 +2,10 @@
 
 On the CPU, when the kernel in cpu_attention.py builds here, decodes and
 short prefill chunks are served by it in one call, reading the paged cache in
-place, and longer prefill chunks by SDPA over their gathered blocks in the
-cache's dtype; otherwise, and on other devices, everything by kernels.reference.
+place, and longer prefill chunks in bfloat16 by the AMX kernel of
+amx_prefill.py (also in place) where the CPU has AMX, else by SDPA over their
+gathered blocks in the cache's dtype (float32 always: it matches Hugging
+Face's); otherwise, and on other devices, everything by kernels.reference.
 An 8-bit (fp8) cache is always served by kernels.reference, which widens the
 gathered blocks to float32 (the C kernel reads only caches in the query's dtype).
 """
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import cpu_attention
+from engine.attention import amx_prefill, cpu_attention
 from engine.attention.backend import AttentionBackend, AttentionMetadata
 from kernels import reference
 
@@ -20,6 +22,11 @@ from kernels import reference
 # over its gathered blocks (matrix multiplies) than in the C kernel; below
 # it, gathering costs more than it saves (measured on SmolLM2's heads).
 SDPA_FROM = 32
+# NOTE: from this many new tokens a bfloat16 sequence's attention is faster
+# in the AMX kernel than in the C kernel: 2 new tokens after 256 cached took
+# 0.63 ms against 0.82 (16 sequences, one thread); a decode (one token) is
+# the C kernel's (benchmarks/prefill_attention_cpu.py, docs/benchmarks.md).
+AMX_FROM = 2
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -34,9 +41,12 @@ class TorchAttentionBackend(AttentionBackend):
             cpu_attention.store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
             args = (query, k_cache, v_cache, meta.block_tables, meta.query_start_loc_cpu,
                     meta.seq_lens_cpu, scale)
-            out = cpu_attention.paged_attention(*args, max_query_len=SDPA_FROM - 1)
-            if meta.max_query_len >= SDPA_FROM:
-                cpu_attention.prefill_sdpa(*args, out=out, min_query_len=SDPA_FROM)
+            amx = amx_prefill.supports(query, k_cache)
+            long_from = AMX_FROM if amx else SDPA_FROM
+            out = cpu_attention.paged_attention(*args, max_query_len=long_from - 1)
+            if meta.max_query_len >= long_from:
+                prefill = amx_prefill.prefill if amx else cpu_attention.prefill_sdpa
+                prefill(*args, out=out, min_query_len=long_from)
             return out
         kv_scales = (self.k_scale, self.v_scale)
         reference.store_kv(key, value, k_cache, v_cache, meta.slot_mapping, *kv_scales)

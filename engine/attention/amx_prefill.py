@@ -1,0 +1,485 @@
+"""bfloat16 prefill attention with AMX tiles, reading the paged cache in place.
+
+SDPA over gathered blocks (``cpu_attention.prefill_sdpa``) runs prefill's
+two products as matrix multiplies, but per sequence: it copies the blocks,
+pays a call's overhead, and reaches ~80-110 GFLOPS here. This kernel is the
+flash-attention loop on AMX: one work item is a sequence, a kv head and a
+tile of 16 new tokens, for all the query heads of that kv head. It walks the
+sequence's keys 32 at a time up to the tile's causal limit; each step
+repacks the 32 keys (transposed into dimension pairs) and values (key pairs
+interleaved) from their cache blocks into a small per-thread buffer, once
+for the whole head group, then per query head: scores ``S = Q K^T`` in
+float32 tiles, the online softmax in float32 (running max and sum per row),
+``P`` rounded to bfloat16, and ``O += P V`` in float32 tiles. Query ``j`` of
+a sequence with ``q_len`` new tokens sees keys ``[0, seq_len - q_len + j]``,
+the reference's causal mask, so chunked prefills and prefix hits are served
+as they are.
+
+Only where the CPU has AMX-BF16 and AVX512-BF16 and the kernel builds
+(``available``). Differs from the float32 reference by the bfloat16
+rounding of ``P`` and of the output, and by its exponential (~1e-6).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from engine.attention import cbuild
+
+_SOURCE = r"""
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+int amx_request(void) { return (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); }
+
+#define ROWS 16      /* query tokens per work item (one tile's rows) */
+#define KEYS 32      /* keys per step: two score tiles, one P tile's depth */
+#define MAX_DIM 256
+#define MAX_GROUP 16
+#define PACK_AHEAD 4 /* query tiles from which a sequence's cache is packed once for all */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* exp(x), 2^(x log2 e) as 2^n * 2^f, |f| <= 1/2, degree-6 Taylor (~1e-7). */
+static inline __m512 exp16(__m512 x) {
+    __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(1.44269504f));
+    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 y = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147181f));
+    __m512 p = _mm512_set1_ps(1.f / 720);
+    p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.f / 120));
+    p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.f / 24));
+    p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Rows r[0..15] of 16 int32 (bf16 pairs) -> their transpose, in place. */
+static inline void transpose16(__m512i *r) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    /* u[4a + c], 128-bit lane L: column c + 4L of rows 4a .. 4a + 3 */
+    for (int a = 0; a < 4; a++) {
+        u[4 * a] = _mm512_unpacklo_epi64(t[4 * a], t[4 * a + 2]);
+        u[4 * a + 1] = _mm512_unpackhi_epi64(t[4 * a], t[4 * a + 2]);
+        u[4 * a + 2] = _mm512_unpacklo_epi64(t[4 * a + 1], t[4 * a + 3]);
+        u[4 * a + 3] = _mm512_unpackhi_epi64(t[4 * a + 1], t[4 * a + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+        __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44);
+        __m512i v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xee);
+        __m512i w0 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
+        __m512i w1 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xee);
+        r[c] = _mm512_shuffle_i32x4(v0, w0, 0x88);
+        r[c + 4] = _mm512_shuffle_i32x4(v0, w0, 0xdd);
+        r[c + 8] = _mm512_shuffle_i32x4(v1, w1, 0x88);
+        r[c + 12] = _mm512_shuffle_i32x4(v1, w1, 0xdd);
+    }
+}
+
+typedef struct { int32_t seq, t0, cost; } item_t;
+
+static int by_cost(const void *a, const void *b) {
+    return ((const item_t *)b)->cost - ((const item_t *)a)->cost;
+}
+
+/* Per-thread scratch, 64-byte aligned. Scores are kept transposed (a row
+   per key, a lane per query token), so the softmax's running max and sum
+   over keys are plain vector operations across rows. */
+typedef struct {
+    int32_t *qt;   /* [group][dim / 32][16 dim pairs][16 tokens]: Q^T tiles of the work item */
+    float *o;      /* [group][ROWS][dim] float32 accumulators */
+    float *m, *l;  /* [group][ROWS] running max (of scaled scores) and sum */
+    int32_t *vp;   /* one step's values, for a sequence not packed ahead (see pack_step) */
+    uint16_t *k;   /* and its keys, where they are not read in place */
+    float *st;     /* [KEYS][ROWS] scores S^T of one head and step */
+    int32_t *pt;   /* [ROWS][16 key pairs]: P (bf16 pairs) of one head and step */
+} scratch_t;
+
+static void *zalloc(size_t bytes) {
+    void *p = aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (p) memset(p, 0, bytes);
+    return p;
+}
+
+/* NOTE: scores may run this far above the max the exponentials subtract
+   before it is raised (and O, l rescaled): p <= e^8 stays exact enough in
+   float32 and bfloat16 and spares a rescale on most steps. */
+#define LAZY 8.f
+
+/* One query head's step over keys c0 .. c0 + n - 1: S^T = K Q^T, the online
+   softmax, O += P V. `k0`, `k1`: the two 16-key halves (rows `kstride`
+   elements apart; k1 unused when n <= 16). Token r sees the step's first
+   seen0 + r keys; seen0 >= KEYS: all of them. */
+static void step_head(scratch_t *sc, int h, int dim, const uint16_t *k0, const uint16_t *k1,
+                      int64_t kstride, const int32_t *vp, int n, int seen0, float scale)
+{
+    const int ks = dim / 32;
+    const int32_t *qt = sc->qt + (int64_t)h * ks * 256;
+    /* Tile numbers are constants: 0 and 1 hold the two 16-key halves' scores
+       (independent chains, so one tile's multiply hides the other's latency). */
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int kk = 0; kk < ks; kk++) {
+        _tile_loadd(4, qt + kk * 256, 64);
+        _tile_loadd(2, k0 + kk * 32, kstride * 2);
+        _tile_dpbf16ps(0, 2, 4);
+        if (n > 16) {
+            _tile_loadd(3, k1 + kk * 32, kstride * 2);
+            _tile_dpbf16ps(1, 3, 4);
+        }
+    }
+    _tile_stored(0, sc->st, 64);
+    if (n > 16) _tile_stored(1, sc->st + 16 * ROWS, 64);
+    float *mp = sc->m + h * ROWS, *lp = sc->l + h * ROWS, *o = sc->o + (int64_t)h * ROWS * dim;
+    const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+    __m512 s[KEYS];
+    __mmask16 vis[KEYS];
+    __m512 mx[4] = {ninf, ninf, ninf, ninf};
+    for (int i = 0; i < KEYS; i++) {
+        /* key i is seen by tokens r with seen0 + r > i */
+        int first = i - seen0 + 1;
+        vis[i] = i >= n || first >= 16 ? 0 : first <= 0 ? 0xffff : (__mmask16)(0xffff << first);
+        s[i] = _mm512_mul_ps(_mm512_load_ps(sc->st + i * ROWS), vscale);
+        if (i < n) mx[i % 4] = _mm512_mask_max_ps(mx[i % 4], vis[i], mx[i % 4], s[i]);
+    }
+    __m512 cmax = _mm512_max_ps(_mm512_max_ps(mx[0], mx[1]), _mm512_max_ps(mx[2], mx[3]));
+    __m512 m = _mm512_load_ps(mp), l = _mm512_load_ps(lp);
+    __mmask16 raise = _mm512_cmp_ps_mask(cmax, _mm512_add_ps(m, _mm512_set1_ps(LAZY)), _CMP_GT_OQ);
+    if (raise) {
+        __m512 m_new = _mm512_mask_mov_ps(m, raise, cmax);
+        float alpha[ROWS] __attribute__((aligned(64)));
+        _mm512_store_ps(alpha, exp16(_mm512_sub_ps(m, m_new)));  /* 0 where m was -inf */
+        l = _mm512_mask_mul_ps(l, raise, l, _mm512_load_ps(alpha));
+        for (int r = 0; r < ROWS; r++) {
+            if (!(raise >> r & 1)) continue;
+            __m512 a = _mm512_set1_ps(alpha[r]);
+            for (int d = 0; d < dim; d += 16)
+                _mm512_store_ps(o + r * dim + d, _mm512_mul_ps(_mm512_load_ps(o + r * dim + d), a));
+        }
+        m = m_new;
+    }
+    __m512 sum[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    __m512 p[KEYS];
+    for (int i = 0; i < KEYS; i++) {
+        p[i] = vis[i] ? _mm512_maskz_mov_ps(vis[i], exp16(_mm512_sub_ps(s[i], m))) : _mm512_setzero_ps();
+        sum[i % 2] = _mm512_add_ps(sum[i % 2], p[i]);
+    }
+    _mm512_store_ps(mp, m);
+    _mm512_store_ps(lp, _mm512_add_ps(l, _mm512_add_ps(sum[0], sum[1])));
+    /* P^T rows (keys) -> bf16 pairs of keys per token -> transposed to P's rows. */
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                           23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    __m512i x[16];
+    for (int kp = 0; kp < 16; kp++)
+        x[kp] = _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(p[2 * kp + 1], p[2 * kp]));
+    transpose16(x);
+    for (int r = 0; r < ROWS; r++) _mm512_store_si512(sc->pt + r * 16, x[r]);
+    /* O += P V, four 16-dim column tiles of O at a time (tiles 4-7). */
+    _tile_loadd(0, sc->pt, 64);
+    const int nd = dim / 16;  /* even */
+    for (int c = 0; c < nd; c += 4) {
+        const int four = c + 2 < nd;
+        _tile_loadd(4, o + c * 16, dim * 4);
+        _tile_loadd(5, o + (c + 1) * 16, dim * 4);
+        _tile_loadd(1, vp + c * 256, 64);
+        _tile_loadd(2, vp + (c + 1) * 256, 64);
+        _tile_dpbf16ps(4, 0, 1);
+        _tile_dpbf16ps(5, 0, 2);
+        if (four) {
+            _tile_loadd(6, o + (c + 2) * 16, dim * 4);
+            _tile_loadd(7, o + (c + 3) * 16, dim * 4);
+            _tile_loadd(3, vp + (c + 2) * 256, 64);
+            _tile_dpbf16ps(6, 0, 3);
+            _tile_loadd(1, vp + (c + 3) * 256, 64);
+            _tile_dpbf16ps(7, 0, 1);
+        }
+        _tile_stored(4, o + c * 16, dim * 4);
+        _tile_stored(5, o + (c + 1) * 16, dim * 4);
+        if (four) {
+            _tile_stored(6, o + (c + 2) * 16, dim * 4);
+            _tile_stored(7, o + (c + 3) * 16, dim * 4);
+        }
+    }
+}
+
+/* One step of a sequence's cache, kv head g, keys c0 .. c0 + n - 1 (n <=
+   KEYS), packed: values into `vp` ([dim / 16][16 key pairs][16 dims], pairs
+   of keys interleaved), and keys into `kp` ([KEYS][dim]) unless it is NULL;
+   zero past n. */
+static void pack_step(int32_t *vp, uint16_t *kp, const uint16_t *k_cache, const uint16_t *v_cache,
+                      int64_t cs0, int64_t cs1, int64_t cs2, const int32_t *table, int block_size,
+                      int g, int c0, int n, int dim)
+{
+    const uint16_t *vrow[KEYS];
+    for (int i = 0; i < n; i++) {
+        int pos = c0 + i;
+        int64_t off = (int64_t)table[pos / block_size] * cs0 + (pos % block_size) * cs1 + g * cs2;
+        vrow[i] = v_cache + off;
+        if (kp) memcpy(kp + i * dim, k_cache + off, dim * 2);
+    }
+    if (kp && n < KEYS) memset(kp + n * dim, 0, (KEYS - n) * dim * 2);
+    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                        39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    for (int j = 0; j < KEYS / 2; j++) {
+        const uint16_t *a = 2 * j < n ? vrow[2 * j] : NULL, *b = 2 * j + 1 < n ? vrow[2 * j + 1] : NULL;
+        for (int d = 0; d < dim; d += 32) {
+            __m512i va = a ? _mm512_loadu_si512(a + d) : _mm512_setzero_si512();
+            __m512i vb = b ? _mm512_loadu_si512(b + d) : _mm512_setzero_si512();
+            _mm512_store_si512(vp + ((d / 16) * 16 + j) * 16, _mm512_permutex2var_epi16(va, lo, vb));
+            _mm512_store_si512(vp + ((d / 16 + 1) * 16 + j) * 16, _mm512_permutex2var_epi16(va, hi, vb));
+        }
+    }
+}
+
+/* Attention of every sequence with at least `min_query_len` new tokens;
+   the others' rows of `out` are left as they were. Caches are
+   [blocks, block_size, kv_heads, dim] with unit last stride. Returns 0, or
+   -1 for shapes outside the kernel (dim % 32, dim > 256, group > 16) or
+   when memory runs out. */
+int amx_prefill(
+    uint16_t *out, int64_t os0, int64_t os1, const uint16_t *query, int64_t qs0, int64_t qs1,
+    const uint16_t *k_cache, const uint16_t *v_cache, int64_t cs0, int64_t cs1, int64_t cs2,
+    const int32_t *block_tables, int64_t bts0, const int32_t *query_start_loc,
+    const int32_t *seq_lens, int num_seqs, int num_heads, int num_kv_heads, int dim,
+    int block_size, float scale, int min_query_len)
+{
+    int group = num_kv_heads > 0 ? num_heads / num_kv_heads : 0;
+    if (dim % 32 || dim > MAX_DIM || dim <= 0 || group < 1 || group > MAX_GROUP
+        || group * num_kv_heads != num_heads || min_query_len < 1 || num_seqs < 0)
+        return -1;
+#define SERVED(s) (query_start_loc[(s) + 1] - query_start_loc[s] >= min_query_len)
+#define TILES(s) ((query_start_loc[(s) + 1] - query_start_loc[s] + ROWS - 1) / ROWS)
+    /* Query tiles, and the 32-key steps of the caches packed ahead. */
+    int64_t num_tiles = 0, num_steps = 0;
+    for (int s = 0; s < num_seqs; s++)
+        if (SERVED(s)) {
+            num_tiles += TILES(s);
+            if (TILES(s) >= PACK_AHEAD) num_steps += (seq_lens[s] + KEYS - 1) / KEYS;
+        }
+    if (num_tiles == 0) return 0;
+    /* A sequence of PACK_AHEAD+ tiles has each step's values (and keys,
+       where blocks do not hold whole 16-key tiles to read in place) packed
+       once, before any tile reads them: step j, kv head g at
+       (first[s] + j) * num_kv_heads + g. Shorter ones (first[s] = -1) pack
+       each step as a tile reaches it, into a buffer that stays in L1. */
+    const int in_place = block_size % 16 == 0;
+    const int64_t v_step = (int64_t)(dim / 16) * 256, k_step = (int64_t)KEYS * dim;
+    item_t *tiles = malloc(sizeof(item_t) * num_tiles);
+    int64_t *first = malloc(sizeof(int64_t) * (num_seqs + 1));
+    int32_t *step_seq = malloc(sizeof(int32_t) * (num_steps + 1));
+    int32_t *vpack = aligned_alloc(64, (num_steps * num_kv_heads * v_step + 1) * 4);
+    uint16_t *kpack = in_place ? NULL : aligned_alloc(64, (num_steps * num_kv_heads * k_step + 1) * 2);
+    int failed = !tiles || !first || !step_seq || !vpack || (!in_place && !kpack);
+    if (failed) goto done;
+    int64_t k = 0, j = 0;
+    for (int s = 0; s < num_seqs; s++) {
+        first[s] = -1;
+        if (!SERVED(s)) continue;
+        int start = query_start_loc[s], end = query_start_loc[s + 1];
+        /* Longest first (keys a tile reads), so the dynamic schedule ends even. */
+        for (int t0 = start; t0 < end; t0 += ROWS) {
+            int nt = end - t0 < ROWS ? end - t0 : ROWS;
+            tiles[k++] = (item_t){s, t0, seq_lens[s] - (end - t0) + nt};
+        }
+        if (TILES(s) < PACK_AHEAD) continue;
+        first[s] = j;
+        for (int c = 0; c < (seq_lens[s] + KEYS - 1) / KEYS; c++) step_seq[j++] = s;
+    }
+#undef TILES
+#undef SERVED
+    qsort(tiles, num_tiles, sizeof(item_t), by_cost);
+    #pragma omp parallel
+    {
+        #pragma omp for schedule(static)
+        for (int64_t it = 0; it < num_steps * num_kv_heads; it++) {
+            int64_t step = it / num_kv_heads;
+            int s = step_seq[step], g = (int)(it % num_kv_heads), c0 = (int)(step - first[s]) * KEYS;
+            int n = seq_lens[s] - c0 < KEYS ? seq_lens[s] - c0 : KEYS;
+            pack_step(vpack + it * v_step, in_place ? NULL : kpack + it * k_step, k_cache, v_cache,
+                      cs0, cs1, cs2, block_tables + (int64_t)s * bts0, block_size, g, c0, n, dim);
+        }
+        tile_config cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette = 1;
+        for (int t = 0; t < 8; t++) {
+            cfg.rows[t] = 16;
+            cfg.colsb[t] = 64;
+        }
+        _tile_loadconfig(&cfg);
+        scratch_t sc;
+        int64_t rows = (int64_t)group * ROWS;
+        sc.qt = zalloc(rows * dim * 2);
+        sc.o = zalloc(rows * dim * 4);
+        sc.m = zalloc(rows * 4);
+        sc.l = zalloc(rows * 4);
+        sc.vp = zalloc(v_step * 4);
+        sc.k = zalloc(k_step * 2);
+        sc.st = zalloc(KEYS * ROWS * 4);
+        sc.pt = zalloc(ROWS * 16 * 4);
+        int ok = sc.qt && sc.o && sc.m && sc.l && sc.vp && sc.k && sc.st && sc.pt;
+        if (!ok) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < num_tiles * num_kv_heads; it++) {
+            if (!ok) continue;
+            item_t tile = tiles[it / num_kv_heads];
+            int g = (int)(it % num_kv_heads), s = tile.seq, t0 = tile.t0;
+            int start = query_start_loc[s], end = query_start_loc[s + 1];
+            int nt = end - t0 < ROWS ? end - t0 : ROWS;
+            /* keys the tile's first token sees; its last sees ctx0 + nt - 1 */
+            int ctx0 = seq_lens[s] - (end - start) + (t0 - start) + 1, ctx_end = ctx0 + nt - 1;
+            const int32_t *table = block_tables + (int64_t)s * bts0;
+            for (int h = 0; h < group; h++)
+                for (int kk = 0; kk < dim / 32; kk++) {
+                    __m512i x[16];
+                    for (int r = 0; r < ROWS; r++)
+                        x[r] = r < nt ? _mm512_loadu_si512(query + (t0 + r) * qs0 + (g * group + h) * qs1 + kk * 32)
+                                      : _mm512_setzero_si512();
+                    transpose16(x);
+                    int32_t *dst = sc.qt + ((int64_t)h * (dim / 32) + kk) * 256;
+                    for (int i = 0; i < 16; i++) _mm512_store_si512(dst + i * 16, x[i]);
+                }
+            memset(sc.o, 0, rows * dim * 4);
+            for (int64_t r = 0; r < rows; r++) {
+                sc.m[r] = -INFINITY;
+                sc.l[r] = 0.f;
+            }
+            for (int c0 = 0; c0 < ctx_end; c0 += KEYS) {
+                int n = ctx_end - c0 < KEYS ? ctx_end - c0 : KEYS;
+                const int32_t *vp = sc.vp;
+                const uint16_t *k0 = sc.k, *k1;
+                if (first[s] < 0) {
+                    pack_step(sc.vp, in_place ? NULL : sc.k, k_cache, v_cache, cs0, cs1, cs2, table,
+                              block_size, g, c0, n, dim);
+                } else {
+                    int64_t packed = (first[s] + c0 / KEYS) * num_kv_heads + g;
+                    vp = vpack + packed * v_step;
+                    if (!in_place) k0 = kpack + packed * k_step;
+                }
+                int64_t kstride;
+                if (in_place) {  /* a 16-key tile: 16 rows of one block, cs1 apart */
+                    int p1 = n > 16 ? c0 + 16 : c0;
+                    k0 = k_cache + (int64_t)table[c0 / block_size] * cs0 + (c0 % block_size) * cs1 + g * cs2;
+                    k1 = k_cache + (int64_t)table[p1 / block_size] * cs0 + (p1 % block_size) * cs1 + g * cs2;
+                    kstride = cs1;
+                } else {
+                    k1 = k0 + 16 * dim;
+                    kstride = dim;
+                }
+                for (int h = 0; h < group; h++)
+                    step_head(&sc, h, dim, k0, k1, kstride, vp, n, ctx0 - c0, scale);
+            }
+            for (int h = 0; h < group; h++)
+                for (int r = 0; r < nt; r++) {
+                    const float *o = sc.o + ((int64_t)h * ROWS + r) * dim;
+                    __m512 inv = _mm512_set1_ps(1.f / sc.l[h * ROWS + r]);
+                    uint16_t *dst = out + (t0 + r) * os0 + (g * group + h) * os1;
+                    for (int d = 0; d < dim; d += 16)
+                        _mm256_storeu_si256((__m256i *)(dst + d),
+                                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(o + d), inv)));
+                }
+        }
+        _tile_release();
+        free(sc.qt); free(sc.o); free(sc.m); free(sc.l); free(sc.vp); free(sc.k); free(sc.st); free(sc.pt);
+    }
+done:
+    free(tiles); free(first); free(step_seq); free(vpack); free(kpack);
+    return failed ? -1 : 0;
+}
+#else
+int amx_request(void) { return -1; }
+int amx_prefill(void) { return -1; }
+#endif
+"""
+
+_I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+
+
+@functools.cache
+def _lib():
+    lib = cbuild.load("amx_prefill", _SOURCE)
+    if lib is None or lib.amx_request() != 0:
+        return None
+    fn = lib.amx_prefill
+    fn.restype = _INT
+    fn.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64,
+                   _PTR, _PTR, _INT, _INT, _INT, _INT, _INT, ctypes.c_float, _INT]
+    return lib
+
+
+def available() -> bool:
+    """Whether this CPU and compiler run the kernel."""
+    return _lib() is not None
+
+
+def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether ``prefill`` serves these tensors: bfloat16 on the CPU, head
+    size a multiple of 32 up to 256, at most 16 query heads per kv head."""
+    heads, dim = query.shape[1:]
+    kv_heads = k_cache.shape[2]
+    return (query.device.type == "cpu" and query.dtype == torch.bfloat16
+            and k_cache.dtype == torch.bfloat16 and query.stride(-1) == 1
+            and k_cache.stride(-1) == 1 and dim % 32 == 0 and dim <= 256
+            and heads % kv_heads == 0 and heads // kv_heads <= 16 and available())
+
+
+def prefill(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int, on the host
+    seq_lens: torch.Tensor,  # [num_seqs] int, on the host
+    scale: float,
+    out: torch.Tensor,
+    min_query_len: int = 1,
+) -> None:
+    """Causal attention of the sequences with at least ``min_query_len`` new
+    tokens, written to their rows of ``out`` (the others' rows are left as
+    they were). Check ``supports`` first; the new tokens' keys and values
+    must already be in the cache."""
+    num_tokens, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    if v_cache.stride() != k_cache.stride() or v_cache.dtype != k_cache.dtype:
+        raise ValueError("k_cache and v_cache must have the same layout and dtype")
+    if out.shape != query.shape or out.dtype != query.dtype or out.stride(-1) != 1:
+        raise ValueError(f"out must be {tuple(query.shape)} {query.dtype} with unit last stride")
+    tables = block_tables.to(torch.int32).contiguous()
+    qsl = query_start_loc.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    num_seqs = lens.shape[0]
+    if qsl.shape[0] != num_seqs + 1 or tables.shape[0] != num_seqs:
+        raise ValueError("query_start_loc needs num_seqs + 1 entries and block_tables num_seqs rows")
+    rc = _lib().amx_prefill(
+        out.data_ptr(), out.stride(0), out.stride(1), query.data_ptr(), query.stride(0),
+        query.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), *k_cache.stride()[:3],
+        tables.data_ptr(), tables.stride(0), qsl.data_ptr(), lens.data_ptr(), num_seqs,
+        num_heads, num_kv_heads, head_dim, block_size, scale, min_query_len,
+    )
+    if rc != 0:
+        raise ValueError(f"amx_prefill cannot serve {num_heads} heads, {num_kv_heads} kv heads, "
+                         f"head_dim {head_dim}")

@@ -22,11 +22,14 @@ from kernels import reference
 # over its gathered blocks (matrix multiplies) than in the C kernel; below
 # it, gathering costs more than it saves (measured on SmolLM2's heads).
 SDPA_FROM = 32
-# NOTE: from this many new tokens a bfloat16 sequence's attention is faster
-# in the AMX kernel than in the C kernel: 2 new tokens after 256 cached took
-# 0.63 ms against 0.82 (16 sequences, one thread); a decode (one token) is
-# the C kernel's (benchmarks/prefill_attention_cpu.py, docs/benchmarks.md).
-AMX_FROM = 2
+# NOTE: from this many new tokens a bfloat16 sequence's attention goes to
+# the AMX kernel (one tile of 16 query tokens). It is faster than the C
+# kernel from 2 new tokens (0.63 against 0.82 ms for 2 after 256 cached, 16
+# sequences, one thread), but it rounds the softmax weights to bfloat16:
+# below a tile, speculative verification (k + 1 tokens) stays on the C
+# kernel, whose rows compute exactly as the decodes they stand for, so a
+# greedy bfloat16 text is the same with and without speculation.
+AMX_FROM = 16
 
 
 class TorchAttentionBackend(AttentionBackend):

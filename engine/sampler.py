@@ -71,7 +71,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     """``logits``: [B, vocab] in the model's dtype or float32, one row per
     request in ``batch``; sampled in float32."""
     if (batch.all_greedy and batch.max_logprobs < 0 and batch.banned is None
-            and not _penalized_rows(batch.requests) and cpu_ops.supports(logits)):
+            and not _penalized_rows(batch.requests) and logits.dtype == torch.bfloat16
+            and cpu_ops.supports(logits)):
         # Plain greedy rows of bfloat16 CPU logits: the argmax in one pass,
         # without widening them first (the same tokens).
         return SamplerOutput(cpu_ops.argmax(logits).tolist(), [None] * len(batch.requests))

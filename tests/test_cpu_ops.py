@@ -1,7 +1,7 @@
-"""The bfloat16 CPU kernels of engine/layers/cpu_ops.py against
-kernels.reference and torch: rotary bit for bit, RMSNorm and SiLU-and-mul
-within one bfloat16 ulp (their float32 sum order and exp are their own), and
-the layers that pick them."""
+"""The CPU kernels of engine/layers/cpu_ops.py against kernels.reference and
+torch, in bfloat16 and float32: rotary bit for bit, RMSNorm and SiLU-and-mul
+within one bfloat16 ulp or a few float32 ones (their float32 sum order and exp
+are their own), and the layers that pick them."""
 
 from __future__ import annotations
 
@@ -19,38 +19,46 @@ pytestmark = pytest.mark.skipif(not cpu_ops.supports(torch.zeros(1, dtype=torch.
                                 reason="no C compiler: the layers keep the reference ops")
 
 
-def randn(*shape, seed, scale=1.0):
+DTYPES = [torch.bfloat16, torch.float32]
+
+
+def randn(*shape, seed, scale=1.0, dtype=torch.bfloat16):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16)
+    return (torch.randn(*shape, generator=g) * scale).to(dtype)
 
 
 def assert_within_an_ulp(out, ref):
+    if out.dtype == torch.float32:  # a few ulps where the sum order or exp differ
+        torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
+        return
     torch.testing.assert_close(out.float(), ref.float(), atol=1e-6, rtol=2**-7)
     assert (out != ref).float().mean() < 0.01  # and almost all bit-identical
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 64, 300])
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_rms_norm_matches_reference(rows, with_residual):
-    x = randn(rows, 576, seed=1, scale=3.0)
-    residual = randn(rows, 576, seed=2) if with_residual else None
-    weight = randn(576, seed=3)
+def test_rms_norm_matches_reference(rows, with_residual, dtype):
+    x = randn(rows, 576, seed=1, scale=3.0, dtype=dtype)
+    residual = randn(rows, 576, seed=2, dtype=dtype) if with_residual else None
+    weight = randn(576, seed=3, dtype=dtype)
     out, res = cpu_ops.rms_norm(x, weight, 1e-5, residual)
     ref_out, ref_res = reference.rms_norm(x, weight, 1e-5, residual)
     assert torch.equal(res, ref_res)
     assert_within_an_ulp(out, ref_out)
-    # The layer picks the kernel for bfloat16 CPU rows.
-    norm = RMSNorm(576, 1e-5).to(torch.bfloat16)
+    # The layer picks the kernel for CPU rows.
+    norm = RMSNorm(576, 1e-5).to(dtype)
     norm.weight.data.copy_(weight)
     with torch.inference_mode():
         layer_out, _ = norm(x, residual)
     assert torch.equal(layer_out, out)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", [1, 5, 300])
-def test_rotary_in_place_is_bit_identical(tokens):
+def test_rotary_in_place_is_bit_identical(tokens, dtype):
     rope = RotaryEmbedding(64, 4096, 1e5, None)
-    qkv = randn(tokens, (9 + 2 * 3) * 64, seed=4)  # q and k are views, as in the model
+    qkv = randn(tokens, (9 + 2 * 3) * 64, seed=4, dtype=dtype)  # q and k are views, as in the model
     q, k = qkv[:, : 9 * 64].view(tokens, 9, 64), qkv[:, 9 * 64 : 12 * 64].view(tokens, 3, 64)
     positions = torch.randint(0, 4096, (tokens,), generator=torch.Generator().manual_seed(5))
     cos, sin = rope.cos[positions], rope.sin[positions]
@@ -61,18 +69,19 @@ def test_rotary_in_place_is_bit_identical(tokens):
     assert torch.equal(qkv[:, 12 * 64 :], v_before)  # the values beside them untouched
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,inner", [(1, 1536), (64, 1536), (3, 40)])
-def test_silu_and_mul_matches_torch(rows, inner):
-    x = randn(rows, 2 * inner, seed=6, scale=4.0)
+def test_silu_and_mul_matches_torch(rows, inner, dtype):
+    x = randn(rows, 2 * inner, seed=6, scale=4.0, dtype=dtype)
     x[0, :8] = torch.tensor([-100.0, -88.0, -20.0, -1e-3, 0.0, 1e-3, 20.0, 100.0])
     ref = F.silu(x[:, :inner]) * x[:, inner:]
     assert_within_an_ulp(cpu_ops.silu_and_mul(x), ref)
     assert_within_an_ulp(silu_and_mul(x), ref)
 
 
-def test_float32_keeps_the_reference_ops():
-    assert not cpu_ops.supports(torch.zeros(2, 8))
-    x = torch.randn(4, 16)
+def test_other_dtypes_keep_the_reference_ops():
+    assert not cpu_ops.supports(torch.zeros(2, 8, dtype=torch.float16))
+    x = torch.randn(4, 16, dtype=torch.float16)
     torch.testing.assert_close(silu_and_mul(x), F.silu(x[:, :8]) * x[:, 8:], rtol=0, atol=0)
 
 

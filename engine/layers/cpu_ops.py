@@ -1,18 +1,17 @@
 """RMSNorm, rotary and SiLU-and-mul for CPU tensors in one C pass each.
 
-kernels/reference.py computes both in float32 from the model's dtype with
+kernels/reference.py computes each in float32 from the model's dtype with
 a dozen small torch ops (converts, adds, pows, means, muls, a cat and a
-convert back), each a pass over the activations. These C loops do each
-whole layer op in one pass, with the same float32 operations in the same
-order per element and the same round-to-nearest-even back to bfloat16; built
-with ``-ffp-contract=off`` so that no multiply-add is fused where torch
-rounds twice. Rotary is therefore bit-identical to the reference; RMSNorm
-sums each row's squares in its own order, so its float32 mean of squares
-may differ from torch's in the last bit.
+convert back), each a pass over the activations and, at decode sizes, most
+of it dispatch. These C loops do each whole layer op in one pass, with the
+same float32 operations in the same order per element and, in bfloat16, the
+same round-to-nearest-even back; built with ``-ffp-contract=off`` so that
+no multiply-add is fused where torch rounds twice. Rotary is therefore
+bit-identical to the reference; RMSNorm sums each row's squares in its own
+order, so its float32 mean of squares may differ from torch's in the last
+bit; SiLU's exp is this file's polynomial, within an ulp or two of torch's.
 
-Only bfloat16 uses these (see ``supports``): there the reference's converts
-are most of its cost, while float32 keeps the reference ops, exactly Hugging
-Face's.
+bfloat16 and float32 (``supports``); the argmax is bfloat16's only.
 """
 
 from __future__ import annotations
@@ -103,6 +102,76 @@ void silu_mul_bf16(uint16_t *out, const uint16_t *x, int64_t rows, int64_t inner
     }
 }
 
+/* Float32: the same passes with no rounding to bfloat16 between them. */
+static inline vf f32_load16(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
+static inline void f32_store16(float *p, vf v) { memcpy(p, &v, sizeof v); }
+
+void rms_norm_f32(float *out, float *res_out, const float *x, const float *res,
+                  const float *weight, int64_t rows, int64_t cols, int64_t x_stride,
+                  int64_t res_stride, float eps)
+{
+    const int64_t vcols = cols - cols % 16;
+    #pragma omp parallel for schedule(static) if (rows * cols > 16384)
+    for (int64_t i = 0; i < rows; i++) {
+        const float *xi = x + i * x_stride;
+        float *ri = res_out + i * cols, *oi = out + i * cols;
+        if (res) {
+            const float *si = res + i * res_stride;
+            for (int64_t j = 0; j < cols; j++) ri[j] = xi[j] + si[j];
+        } else {
+            memcpy(ri, xi, cols * sizeof(float));
+        }
+        vf acc = splat(0.f);
+        for (int64_t j = 0; j < vcols; j += 16) {
+            vf v = f32_load16(ri + j);
+            acc += v * v;
+        }
+        float sum = 0.f;
+        for (int l = 0; l < 16; l++) sum += acc[l];
+        for (int64_t j = vcols; j < cols; j++) sum += ri[j] * ri[j];
+        float r = 1.f / sqrtf(sum / (float)cols + eps);
+        for (int64_t j = 0; j < vcols; j += 16)
+            f32_store16(oi + j, f32_load16(weight + j) * (f32_load16(ri + j) * splat(r)));
+        for (int64_t j = vcols; j < cols; j++) oi[j] = weight[j] * (ri[j] * r);
+    }
+}
+
+void silu_mul_f32(float *out, const float *x, int64_t rows, int64_t inner, int64_t x_stride)
+{
+    const int64_t vinner = inner - inner % 16;
+    #pragma omp parallel for schedule(static) if (rows * inner > 16384)
+    for (int64_t i = 0; i < rows; i++) {
+        const float *gate = x + i * x_stride, *up = gate + inner;
+        float *o = out + i * inner;
+        for (int64_t j = 0; j < vinner; j += 16)
+            f32_store16(o + j, silu16(f32_load16(gate + j)) * f32_load16(up + j));
+        for (int64_t j = vinner; j < inner; j++) o[j] = silu_scalar(gate[j]) * up[j];
+    }
+}
+
+static inline void rotate_f32(float *x, const float *c, const float *s, int half) {
+    for (int j = 0; j < half; j++) {
+        float x1 = x[j], x2 = x[j + half];
+        float a = x1 * c[j], b = x2 * s[j], d = x2 * c[j], e = x1 * s[j];
+        x[j] = a - b;
+        x[j + half] = d + e;
+    }
+}
+
+void rotary_f32(float *q, int64_t qs0, int64_t qs1, int q_heads,
+                float *k, int64_t ks0, int64_t ks1, int k_heads,
+                const int64_t *positions, const float *cos, const float *sin,
+                int64_t num_tokens, int head_dim)
+{
+    int half = head_dim / 2;
+    #pragma omp parallel for schedule(static) if (num_tokens > 256)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const float *c = cos + positions[t] * half, *s = sin + positions[t] * half;
+        for (int h = 0; h < q_heads; h++) rotate_f32(q + t * qs0 + h * qs1, c, s, half);
+        for (int h = 0; h < k_heads; h++) rotate_f32(k + t * ks0 + h * ks1, c, s, half);
+    }
+}
+
 /* In place, "rotate half": (x1, x2) -> (x1 c - x2 s, x2 c + x1 s) for every head. */
 static inline void rotate_bf16(uint16_t *x, const float *c, const float *s, int half) {
     for (int j = 0; j < half; j++) {
@@ -185,28 +254,36 @@ def _lib():
     lib = cbuild.load("cpu_ops", _SOURCE, extra_flags=("-ffp-contract=off",))
     if lib is None:
         return None
-    lib.rms_norm_bf16.restype = None
-    lib.rms_norm_bf16.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64,
-                                  ctypes.c_float]
-    lib.silu_mul_bf16.restype = None
-    lib.silu_mul_bf16.argtypes = [_PTR, _PTR, _I64, _I64, _I64]
+    for suffix in ("bf16", "f32"):
+        rms, silu, rotary = (getattr(lib, f"{name}_{suffix}")
+                             for name in ("rms_norm", "silu_mul", "rotary"))
+        rms.restype = silu.restype = rotary.restype = None
+        rms.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, ctypes.c_float]
+        silu.argtypes = [_PTR, _PTR, _I64, _I64, _I64]
+        rotary.argtypes = [_PTR, _I64, _I64, ctypes.c_int, _PTR, _I64, _I64, ctypes.c_int,
+                           _PTR, _PTR, _PTR, _I64, ctypes.c_int]
     lib.argmax_bf16.restype = None
     lib.argmax_bf16.argtypes = [_PTR, _PTR, _I64, _I64, _I64]
-    lib.rotary_bf16.restype = None
-    lib.rotary_bf16.argtypes = [_PTR, _I64, _I64, ctypes.c_int, _PTR, _I64, _I64, ctypes.c_int,
-                                _PTR, _PTR, _PTR, _I64, ctypes.c_int]
     return lib
 
 
+_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+
+
+def _kernel(name: str, dtype: torch.dtype):
+    return getattr(_lib(), f"{name}_{_SUFFIX[dtype]}")
+
+
 def supports(x: torch.Tensor) -> bool:
-    """Whether these kernels serve ``x`` (bfloat16 on the CPU, rows with unit stride)."""
-    return (x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.stride(-1) == 1
+    """Whether these kernels serve ``x`` (bfloat16 or float32 on the CPU, rows
+    with unit stride)."""
+    return (x.device.type == "cpu" and x.dtype in _SUFFIX and x.stride(-1) == 1
             and _lib() is not None)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``reference.rms_norm`` for 2-D bfloat16 ``x`` (check ``supports``)."""
+    """``reference.rms_norm`` for 2-D ``x`` (check ``supports``)."""
     rows, cols = x.shape
     if weight.shape != (cols,) or weight.dtype != x.dtype or not weight.is_contiguous():
         raise ValueError(f"weight must be a contiguous [{cols}] {x.dtype} tensor")
@@ -215,7 +292,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         raise ValueError("residual must match x in shape and dtype, with unit last stride")
     out = torch.empty((rows, cols), dtype=x.dtype)
     new_residual = torch.empty((rows, cols), dtype=x.dtype)
-    _lib().rms_norm_bf16(
+    _kernel("rms_norm", x.dtype)(
         out.data_ptr(), new_residual.data_ptr(), x.data_ptr(),
         None if residual is None else residual.data_ptr(), weight.data_ptr(), rows, cols,
         x.stride(0), 0 if residual is None else residual.stride(0), eps,
@@ -224,12 +301,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """``F.silu(gate) * up`` for 2-D bfloat16 ``x = [gate | up]`` (check
-    ``supports``). SiLU's exp is this file's polynomial, not torch's, so a
-    bfloat16 output may differ from torch's by one ulp where that rounds apart."""
+    """``F.silu(gate) * up`` for 2-D ``x = [gate | up]`` (check ``supports``).
+    SiLU's exp is this file's polynomial, not torch's, so an output may differ
+    from torch's in the last bit (bfloat16: by one ulp where that rounds apart)."""
     rows, width = x.shape
     out = torch.empty((rows, width // 2), dtype=x.dtype)
-    _lib().silu_mul_bf16(out.data_ptr(), x.data_ptr(), rows, width // 2, x.stride(0))
+    _kernel("silu_mul", x.dtype)(out.data_ptr(), x.data_ptr(), rows, width // 2, x.stride(0))
     return out
 
 
@@ -244,7 +321,7 @@ def rotary_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torc
     if cos.dtype != torch.float32 or not (cos.is_contiguous() and sin.is_contiguous()):
         raise ValueError("cos and sin must be contiguous float32 tables")
     pos = positions.to(torch.int64).contiguous()
-    _lib().rotary_bf16(
+    _kernel("rotary", q.dtype)(
         q.data_ptr(), q.stride(0), q.stride(1), q.shape[1],
         k.data_ptr(), k.stride(0), k.stride(1), k.shape[1],
         pos.data_ptr(), cos.data_ptr(), sin.data_ptr(), num_tokens, head_dim,

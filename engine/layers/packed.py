@@ -1,20 +1,29 @@
-"""bfloat16 matmuls on the CPU with the weight prepacked.
+"""Matmuls on the CPU with the weight prepacked.
 
-``F.linear`` in bfloat16 on the CPU runs oneDNN's AMX / AVX512-BF16 matmul,
-but with a plain ``[out, in]`` weight it reorders the whole weight into the
-blocked layout those instructions need on every call: for decode-sized
-batches that reorder costs about as much as the matmul. ``PackedWeight``
-keeps a packed copy, made on first use and again whenever the weight is
-replaced or written (its data pointer or version counter changes): the AMX
-tile layout of amx_linear.py where that kernel runs (decode-sized batches go
-through it, larger ones through ``F.linear``, whose reorder is small beside
-their compute), else oneDNN's own layout (the same outputs as ``F.linear``).
-The AMX kernel accumulates in float32 in its own order, so its bfloat16
-outputs may differ from ``F.linear``'s by one rounding.
+``F.linear`` on the CPU repacks the whole weight into the blocked layout
+its kernels read on every call: oneDNN's AMX / AVX512-BF16 matmul in
+bfloat16, MKL's sgemm in float32. For decode-sized batches that repack
+costs about as much as the matmul itself. ``PackedWeight`` keeps a packed
+copy, made on first use and again whenever the weight is replaced or written
+(its data pointer or version counter changes):
 
-The copy doubles the memory of the bf16 weights it serves. Float32 and
-other devices keep ``F.linear``: float32 runs MKL's sgemm, the kernel
-Hugging Face's float32 outputs come from.
+- bfloat16: the AMX tile layout of amx_linear.py where that kernel runs
+  (decode-sized batches go through it, larger ones through ``F.linear``,
+  whose reorder is small beside their compute), else oneDNN's own layout
+  (the same outputs as ``F.linear``). The AMX kernel accumulates in float32
+  in its own order, so its bfloat16 outputs may differ from ``F.linear``'s
+  by one rounding.
+- float32: MKL's packed sgemm (``cblas_sgemm_pack`` through torch's
+  ``_mkl_linear``), the same library as ``F.linear`` without the per-call
+  repack. At 64 rows SmolLM2's matmuls take 82 instead of 108 ms a step,
+  at 8 rows half the time, at 2048 rows 3% less (benchmarks.md). Its
+  blocking can differ from the unpacked call's for some shapes and row
+  counts, so an output may differ from ``F.linear``'s in the last bit (a
+  few 1e-7 here), as vLLM's oneDNN path does; one- and two-row calls keep
+  ``F.linear``, which is as fast there.
+
+The copy doubles the memory of the weights it serves. Other devices keep
+``F.linear``.
 """
 
 from __future__ import annotations
@@ -24,10 +33,18 @@ import torch.nn.functional as F
 
 from engine.layers import amx_linear
 
+# Float32 calls with fewer rows keep F.linear (the packed call is no faster there).
+MKL_MIN_ROWS = 3
+
 
 def _packable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (x.device.type == "cpu" and x.dtype == torch.bfloat16 and weight.dtype == x.dtype
-            and weight.dim() == 2 and torch.backends.mkldnn.is_available()
+    if x.dtype == torch.bfloat16:
+        backend = torch.backends.mkldnn.is_available()
+    elif x.dtype == torch.float32:
+        backend = torch.backends.mkl.is_available()
+    else:
+        return False
+    return (x.device.type == "cpu" and weight.dtype == x.dtype and weight.dim() == 2 and backend
             # NOTE: an inference tensor has no version counter, so writes to
             # it could not be seen: it keeps F.linear.
             and not weight.is_inference()
@@ -35,10 +52,10 @@ def _packable(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 class PackedWeight:
-    """One weight's packed copy, for ``linear(x, weight)``: AMX tiles
-    (amx_linear.py) where the CPU has them and the shape fits, then decode-
-    sized batches take that kernel and larger ones ``F.linear``; else
-    oneDNN's blocked layout."""
+    """One weight's packed copy, for ``linear(x, weight)``. bfloat16: AMX
+    tiles (amx_linear.py) where the CPU has them and the shape fits, then
+    decode-sized batches take that kernel and larger ones ``F.linear``; else
+    oneDNN's blocked layout. float32: MKL's packed layout."""
 
     def __init__(self) -> None:
         self._key: tuple[int, int] | None = None
@@ -50,15 +67,17 @@ class PackedWeight:
         """``F.linear(x, weight, bias)``, from the packed copy where that pays."""
         if not _packable(x, weight):
             return F.linear(x, weight, bias)
+        flat = x.reshape(-1, x.shape[-1])
+        if x.dtype == torch.float32 and flat.shape[0] < MKL_MIN_ROWS:
+            return F.linear(x, weight, bias)
         key = (weight.data_ptr(), weight._version)
         if key != self._key:
-            self._amx = (amx_linear.available() and amx_linear.fits(weight)
-                         and (bias is None or bias.dtype == weight.dtype))
-            self._packed = (amx_linear.pack(weight) if self._amx
-                            else torch.ops.mkldnn._reorder_linear_weight(weight.detach()))
+            self._pack(weight, bias)
             self._key = key
-        flat = x.reshape(-1, x.shape[-1])
-        if not self._amx:
+        if x.dtype == torch.float32:
+            rows = flat.shape[0]
+            y = torch.ops.mkl._mkl_linear(flat, self._packed, weight, bias, rows)
+        elif not self._amx:
             y = torch.ops.mkldnn._linear_pointwise(flat, self._packed, bias, "none", [], "")
         elif flat.shape[0] <= amx_linear.MAX_ROWS:
             y = amx_linear.linear(flat, self._packed, weight.shape[0],
@@ -67,9 +86,21 @@ class PackedWeight:
             return F.linear(x, weight, bias)
         return y.view(*x.shape[:-1], y.shape[-1])
 
+    def _pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        weight = weight.detach()
+        self._amx = False
+        if weight.dtype == torch.float32:
+            # The row count is MKL's blocking hint: 512 serves decode and prefill alike.
+            self._packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, 512)
+            return
+        self._amx = (amx_linear.available() and amx_linear.fits(weight)
+                     and (bias is None or bias.dtype == weight.dtype))
+        self._packed = (amx_linear.pack(weight) if self._amx
+                        else torch.ops.mkldnn._reorder_linear_weight(weight))
+
 
 class Linear(torch.nn.Linear):
-    """``nn.Linear`` whose bfloat16 CPU forward uses a ``PackedWeight``."""
+    """``nn.Linear`` whose bfloat16 and float32 CPU forward uses a ``PackedWeight``."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__(in_features, out_features, bias=bias)

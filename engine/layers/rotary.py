@@ -65,7 +65,7 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotated ``q`` and ``k``; on the CPU in bfloat16 rotated in place."""
+        """Rotated ``q`` and ``k``; on the CPU (bfloat16, float32) rotated in place."""
         if (self._apply is reference.apply_rotary and cpu_ops.supports(q)
                 and cpu_ops.supports(k) and self.cos.device == q.device):
             cpu_ops.rotary_(positions, q, k, self.cos, self.sin)

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from engine.core_lease import CoreLease
 from engine.errors import EngineUnusable
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
@@ -31,8 +32,11 @@ class AsyncEngineLoop:
     work, and hands its outputs to asyncio streams. Workers hold one; the
     public ``tandem.AsyncEngine`` is one built from vLLM-style arguments."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, cores: CoreLease | None = None) -> None:
+        """``cores``: cores shared with other workers on this host, held
+        around each step (engine/core_lease.py); None: the process's own."""
         self.engine = engine
+        self.cores = cores
         self._ops: list[tuple[Callable[[LLMEngine], Any], asyncio.Future, bool]] = []
         self._ops_lock = threading.Lock()
         self._streams: dict[str, asyncio.Queue] = {}
@@ -159,6 +163,8 @@ class AsyncEngineLoop:
             except asyncio.CancelledError:
                 pass
         self._thread.shutdown(wait=True)
+        if self.cores is not None:
+            self.cores.close()
         self.engine.shutdown()
 
     @property
@@ -179,7 +185,7 @@ class AsyncEngineLoop:
                 ops, self._ops = self._ops, []
             if not ops and not self.engine.has_unfinished_requests():
                 self._wake.clear()
-                await self._wake.wait()
+                await self._sleep()
                 continue
             # NOTE: the ops' results come back before the step (``_tick``), so
             # also when the step after them fails: their callers (an add, an
@@ -206,7 +212,14 @@ class AsyncEngineLoop:
                 with self._ops_lock:
                     idle = not self._ops
                 if idle:
-                    await self._wake.wait()
+                    await self._sleep()
+
+    async def _sleep(self) -> None:
+        """Wait for an op (``_wake`` cleared by the caller); lend this
+        worker's cores meanwhile."""
+        if self.cores is not None:
+            self.cores.idle()  # NOTE: the engine thread is not running: safe from here
+        await self._wake.wait()
 
     def _tick(self, ops, loop) -> tuple[list[RequestOutput], Exception | None]:
         """Run the ops, hand their results back, then step once."""
@@ -228,10 +241,15 @@ class AsyncEngineLoop:
             loop.call_soon_threadsafe(self._finish_ops, ops, results, outputs)
             outputs = []
         if self.engine.has_unfinished_requests():
+            if self.cores is not None:
+                self.cores.begin_step()
             try:
                 outputs.extend(self.engine.step())
             except Exception as exc:
                 return outputs, exc
+            finally:
+                if self.cores is not None:
+                    self.cores.end_step(busy=self.engine.has_unfinished_requests())
         return outputs, None
 
     def _finish_ops(self, ops, results, outputs: list[RequestOutput]) -> None:

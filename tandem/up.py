@@ -54,6 +54,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve each worker's Prometheus /metrics from this port on: "
                         "prefill workers first, then decode workers (BASE, BASE+1, ...)")
+    p.add_argument("--lend-cores", action=argparse.BooleanOptionalAction, default=True,
+                   help="workers compute on each other's cores while the owner idles, a step "
+                        "at a time (default: on; each still owns its share of the cores)")
     p.add_argument("--worker-arg", action="append", default=[],
                    help="extra flag passed to every worker (repeatable)")
     p.set_defaults(run=run)
@@ -72,8 +75,11 @@ def start_cluster(args: argparse.Namespace, cluster: LocalCluster):
     cores = None if any(a.startswith("--cpu-cores") for a in args.worker_arg) \
         else split_cores(args.prefill + args.decode)
 
+    lend = [] if cores is None or len(cores) < 2 or not args.lend_cores \
+        else ["--borrow-cores", ",".join(cores)]
+
     def placed(i: int) -> list[str]:
-        cpu = [] if cores is None else ["--cpu-cores", cores[i]]
+        cpu = [] if cores is None else ["--cpu-cores", cores[i], *lend]
         return cpu + ([] if args.metrics_port is None
                       else ["--metrics-port", str(args.metrics_port + i)])
 

@@ -61,6 +61,12 @@ def _start_up(*extra: str, ready: str = "Tandem is serving",
     raise AssertionError("tandem up did not start")
 
 
+def _counter(url: str, name: str) -> float:
+    text = httpx.get(url, timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name))
+
+
 def _two_free_ports() -> int:
     for _ in range(50):
         base = free_port()
@@ -123,6 +129,13 @@ def test_metrics_port_gives_the_decode_workers_speculation_counters():
         assert spec_metrics.scrape(decode_url) is not None
         # The prefill worker does not speculate: its counters stay at zero.
         assert spec_metrics.scrape(f"http://127.0.0.1:{base}/metrics").drafts == 0
+        if len(os.sched_getaffinity(0)) >= 2:
+            # Each worker owns a core and lends it while it idles: the prefill
+            # ran while the decode worker had nothing to do, and the other way round.
+            borrowed = [_counter(f"http://127.0.0.1:{port}/metrics",
+                                 "tandem:cpu_borrowed_steps_total")
+                        for port in (base, base + 1)]
+            assert borrowed[0] >= 1 and borrowed[1] >= 1, borrowed
     finally:
         proc.send_signal(signal.SIGINT)
         try:

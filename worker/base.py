@@ -8,6 +8,7 @@ import time
 from collections.abc import AsyncIterator
 
 from engine.async_engine import AsyncEngineLoop
+from engine.core_lease import CoreLease
 from engine.llm_engine import LLMEngine
 from kv_transfer.block_io import layout_of
 from rpc.errors import Draining, Refused, Unimplemented
@@ -26,12 +27,14 @@ class WorkerBase:
     def __init__(self, engine: LLMEngine, worker_id: str, address: str,
                  metrics: WorkerMetrics | None = None, tls: TLSConfig | None = None,
                  peers: PeerPolicy | None = None,
-                 transports: TransportConfig | None = None) -> None:
+                 transports: TransportConfig | None = None,
+                 cores: CoreLease | None = None) -> None:
         """``tls``: calls to other workers are mTLS; ``peers``: which workers
         a call may name (worker/peers.py; default: any); ``transports``: the
-        KV transports to start (worker/transports.py; default grpc)."""
+        KV transports to start (worker/transports.py; default grpc);
+        ``cores``: cores lent and borrowed between this host's workers."""
         self.engine = engine
-        self.aengine = AsyncEngineLoop(engine)
+        self.aengine = AsyncEngineLoop(engine, cores)
         self.worker_id = worker_id
         self.address = address
         self.io = engine.kv_blocks
@@ -39,6 +42,9 @@ class WorkerBase:
         self.draining = False
         self.metrics = metrics or WorkerMetrics(worker_id, self.role)
         self.aengine.step_hooks.append(lambda _: self.metrics.observe_engine(engine))
+        if cores is not None:
+            self.aengine.step_hooks.append(
+                lambda _: self.metrics.observe_cores(cores.steps_borrowing))
         self.inflight: set[str] = set()
         # Requests this worker gave up at shutdown: their streams end with
         # UNAVAILABLE (Draining), not a finish reason, so the gateway moves them.

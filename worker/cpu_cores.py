@@ -4,7 +4,9 @@ Two workers on one host that each run a full OpenMP team oversubscribe the
 cores, and a team whose threads are descheduled waits at every barrier: a
 matmul was seen 60x slower that way. So workers on one host each get their
 own cores: ``--cpu-cores 0-3`` pins the process and sizes torch's team to
-match, and ``split_cores`` deals a host's cores out to its workers.
+match, and ``split_cores`` deals a host's cores out to its workers. With
+``--borrow-cores`` a worker also computes on its neighbours' cores while
+they idle, one step at a time (engine/core_lease.py).
 
 Core lists use the kernel's cpuset syntax: ``0-3,8,10-11``.
 """
@@ -57,18 +59,28 @@ def split_cores(num_workers: int, available: list[int] | None = None) -> list[st
     return out
 
 
-def pin_to_cores(spec: str) -> list[int]:
+def pin_to_cores(spec: str, borrow: str | None = None) -> list[int]:
     """Run this process on the cores in ``spec`` only, with one torch thread
-    per core. Call before the engine is built (torch sizes its team lazily,
-    but an engine may start worker ranks that inherit the affinity)."""
+    per core; with ``borrow``, on those too (the process may run there, and
+    a core lease decides when it does). Call before the engine is built
+    (torch sizes its team lazily, but an engine may start worker ranks that
+    inherit the affinity)."""
     import torch
 
     cores = parse_cores(spec)
+    reach = sorted(set(cores) | set(parse_cores(borrow) if borrow else []))
     allowed = os.sched_getaffinity(0)
-    missing = [c for c in cores if c not in allowed]
+    missing = [c for c in reach if c not in allowed]
     if missing:
         raise ValueError(f"cores {format_cores(missing)} are not available to this process "
                          f"(it may use {format_cores(sorted(allowed))})")
-    os.sched_setaffinity(0, cores)
+    os.sched_setaffinity(0, reach)
     torch.set_num_threads(len(cores))
     return cores
+
+
+def default_lock_dir() -> str:
+    """Where the workers of this host and user meet to lend cores."""
+    import tempfile
+
+    return os.path.join(tempfile.gettempdir(), f"tandem-cores-{os.getuid()}")

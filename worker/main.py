@@ -13,6 +13,7 @@ import socket
 from collections.abc import Callable
 
 from engine.cli_args import add_engine_args, config_from_args
+from engine.core_lease import CoreLease
 from engine.llm_engine import LLMEngine
 from kv_transfer.mooncake_endpoint import PROTOCOLS
 from rpc.logs import setup_logging
@@ -22,7 +23,7 @@ from rpc.server import GrpcServer, serve_until_signal
 from rpc.tls import add_tls_arguments, tls_from_args
 from rpc.tracing import setup_tracing
 from worker.base import WorkerBase
-from worker.cpu_cores import format_cores, pin_to_cores
+from worker.cpu_cores import default_lock_dir, format_cores, parse_cores, pin_to_cores
 from worker.node import serve_node
 from worker.peers import PeerPolicy
 from worker.registry import Registration
@@ -71,6 +72,13 @@ def parser(description: str, roles: list[str]) -> argparse.ArgumentParser:
     g.add_argument("--cpu-cores", default=None, metavar="LIST",
                    help="compute only on these cores, e.g. 0-3 (one torch thread each); "
                         "give workers that share a host disjoint lists")
+    g.add_argument("--borrow-cores", default=None, metavar="LIST",
+                   help="with --cpu-cores: also compute on these cores (other workers' on "
+                        "this host, e.g. 0-3) while their owners idle, a step at a time; "
+                        "every worker of the host should list the same cores")
+    g.add_argument("--core-lock-dir", default=None, metavar="DIR",
+                   help="where the workers lending each other cores keep their locks "
+                        "(default: a directory per user in the system's temp dir)")
     add_tls_arguments(p)
     return p
 
@@ -97,6 +105,8 @@ def run(make_worker: WorkerFactory, description: str, roles: list[str],
             mooncake_layer_writes=args.mooncake_layer_writes)
     except ValueError as exc:
         p.error(str(exc))
+    if args.borrow_cores is not None and args.cpu_cores is None:
+        p.error("--borrow-cores needs --cpu-cores: the cores this worker owns and lends")
     if args.tls.enabled and not args.tls.mutual:
         p.error("a worker's TLS is mTLS: give --tls-ca-file too (peers are checked against it)")
     if config.nnodes > 1 and args.tls.enabled and not args.tls.allow_torch_transport:
@@ -110,9 +120,15 @@ def run(make_worker: WorkerFactory, description: str, roles: list[str],
 
 
 async def serve(make_worker: WorkerFactory, args: argparse.Namespace) -> None:
+    lease = None
     if args.cpu_cores is not None:
-        cores = pin_to_cores(args.cpu_cores)
+        cores = pin_to_cores(args.cpu_cores, args.borrow_cores)
         logger.info("computing on cores %s", format_cores(cores))
+        if args.borrow_cores:
+            lease = CoreLease(cores, parse_cores(args.borrow_cores),
+                              args.core_lock_dir or default_lock_dir())
+            logger.info("borrowing cores %s while their owners idle",
+                        format_cores(lease.others) or "(none besides its own)")
     config = config_from_args(args)
     if args.role == "prefill" and config.speculative_config is not None:
         # NOTE: a prefill worker samples one token per request: nothing to
@@ -129,7 +145,7 @@ async def serve(make_worker: WorkerFactory, args: argparse.Namespace) -> None:
     worker_id = args.worker_id or f"{args.role}-{socket.gethostname()}-{server.port}"
     address = f"{host}:{server.port}"
     worker = make_worker(engine, worker_id, address, args, tls=tls, peers=args.peers,
-                         transports=args.transports)
+                         transports=args.transports, cores=lease)
     if args.peers.open and not _loopback(args.host):
         logger.warning("no --peer and no --state-url: this worker connects to any peer a call "
                        "names; let only the gateway reach it (or use mTLS)")

@@ -66,6 +66,11 @@ class WorkerMetrics(RequestMetrics):
                                        "Bytes moved between the KV cache and the host tier",
                                        registry=r)
         self._tier_seen = (0, 0)
+        self.borrowed_steps = Counter(
+            "tandem:cpu_borrowed_steps",
+            "Engine steps that also computed on cores borrowed from an idle worker of this host "
+            "(--borrow-cores)", registry=r)
+        self._borrowed_seen = 0
 
     def observe_engine(self, engine) -> None:
         """Refresh the gauges and counters that mirror engine state (every step)."""
@@ -83,6 +88,10 @@ class WorkerMetrics(RequestMetrics):
         self._tier_seen = (restored, moved)
         if stats.spec_decode is not None:
             self._observe_spec(stats.spec_decode)
+
+    def observe_cores(self, steps_borrowing: int) -> None:
+        self.borrowed_steps.inc(steps_borrowing - self._borrowed_seen)
+        self._borrowed_seen = steps_borrowing
 
     def _observe_spec(self, now: SpecDecodeStats) -> None:
         seen = self._spec_seen

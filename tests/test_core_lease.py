@@ -1,0 +1,127 @@
+"""Cores lent between workers on one host (engine/core_lease.py): real flock
+locks, the neighbour in another process."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+import pytest
+import torch
+
+from engine.core_lease import CoreLease
+
+
+@pytest.fixture(autouse=True)
+def _keep_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def _neighbour(lock_dir: str, busy: mp.Event, release: mp.Event, done: mp.Event) -> None:
+    """Owns core 1 (and borrows none): busy until told otherwise, then idle."""
+    lease = CoreLease([1], [1], lock_dir)
+    lease.begin_step()
+    busy.set()
+    release.wait(30)
+    lease.end_step(busy=False)
+    done.wait(30)
+    lease.close()
+
+
+def _borrower_step(lock_dir: str, took: mp.Event, hold: float) -> None:
+    """Owns core 1 and borrows core 0 for one step of ``hold`` seconds."""
+    lease = CoreLease([1], [0, 1], lock_dir)
+    lease.begin_step()
+    if lease.borrowed == [0]:
+        took.set()
+    time.sleep(hold)
+    lease.end_step(busy=False)
+    lease.close()
+
+
+def test_an_idle_neighbours_core_is_borrowed_for_a_step(tmp_path):
+    ctx = mp.get_context("spawn")
+    busy, release, done = ctx.Event(), ctx.Event(), ctx.Event()
+    neighbour = ctx.Process(target=_neighbour, args=(str(tmp_path), busy, release, done))
+    neighbour.start()
+    lease = CoreLease([0], [0, 1], tmp_path)
+    try:
+        assert busy.wait(30)
+        # The owner of core 1 has work: it is not lent.
+        assert lease.begin_step() == 1 and lease.borrowed == []
+        assert torch.get_num_threads() == 1
+        lease.end_step(busy=True)
+
+        release.set()  # the neighbour idles
+        deadline = time.monotonic() + 30
+        while True:
+            threads = lease.begin_step()
+            if lease.borrowed or time.monotonic() > deadline:
+                break
+            lease.end_step(busy=True)
+            time.sleep(0.01)
+        assert (threads, lease.borrowed) == (2, [1])
+        assert torch.get_num_threads() == 2
+        lease.end_step(busy=True)  # given back after each step
+        assert lease.borrowed == []
+        assert lease.steps_borrowing == 1
+    finally:
+        done.set()
+        neighbour.join(30)
+        lease.close()
+    assert neighbour.exitcode == 0
+
+
+def test_an_owner_with_work_waits_one_borrowed_step_then_keeps_its_core(tmp_path):
+    ctx = mp.get_context("spawn")
+    took = ctx.Event()
+    borrower = ctx.Process(target=_borrower_step, args=(str(tmp_path), took, 1.0))
+    borrower.start()
+    lease = CoreLease([0], [0], tmp_path)  # owns core 0, borrows nothing
+    try:
+        assert took.wait(60), "the idle core was not borrowed"
+        start = time.monotonic()
+        lease.begin_step()  # blocks until the borrower's step ends
+        waited = time.monotonic() - start
+        assert 0.3 < waited < 30
+        borrower.join(30)
+        # A later borrower finds the core claimed while its owner has work.
+        other = CoreLease([1], [0, 1], tmp_path)
+        try:
+            assert other.begin_step() == 1 and other.borrowed == []
+            other.end_step(busy=False)
+        finally:
+            other.close()
+        lease.end_step(busy=False)  # idle: lent again
+        other = CoreLease([1], [0, 1], tmp_path)
+        try:
+            assert other.begin_step() == 2 and other.borrowed == [0]
+        finally:
+            other.close()
+    finally:
+        lease.close()
+        borrower.join(30)
+
+
+def test_a_dead_owner_frees_its_cores(tmp_path):
+    ctx = mp.get_context("spawn")
+    busy, release, done = ctx.Event(), ctx.Event(), ctx.Event()
+    neighbour = ctx.Process(target=_neighbour, args=(str(tmp_path), busy, release, done))
+    neighbour.start()
+    lease = CoreLease([0], [0, 1], tmp_path)
+    try:
+        assert busy.wait(30)
+        assert lease.begin_step() == 1
+        lease.end_step(busy=True)
+        neighbour.kill()  # holding its core, mid-work
+        neighbour.join(30)
+        assert lease.begin_step() == 2 and lease.borrowed == [1]
+    finally:
+        lease.close()
+
+
+def test_a_lease_needs_a_core_of_its_own(tmp_path):
+    with pytest.raises(ValueError, match="at least one core"):
+        CoreLease([], [0, 1], tmp_path)

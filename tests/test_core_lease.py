@@ -41,14 +41,21 @@ def _borrower_step(lock_dir: str, took: mp.Event, hold: float) -> None:
     lease.close()
 
 
-def test_an_idle_neighbours_core_is_borrowed_for_a_step(tmp_path):
+def _busy_neighbour(lock_dir) -> tuple[mp.Process, mp.Event, mp.Event]:
+    """A process owning core 1 and busy with it; set ``release`` to make it
+    idle, ``done`` to end it."""
     ctx = mp.get_context("spawn")
     busy, release, done = ctx.Event(), ctx.Event(), ctx.Event()
-    neighbour = ctx.Process(target=_neighbour, args=(str(tmp_path), busy, release, done))
+    neighbour = ctx.Process(target=_neighbour, args=(str(lock_dir), busy, release, done))
     neighbour.start()
+    assert busy.wait(60), "the neighbour did not start"
+    return neighbour, release, done
+
+
+def test_an_idle_neighbours_core_is_borrowed_for_a_step(tmp_path):
+    neighbour, release, done = _busy_neighbour(tmp_path)
     lease = CoreLease([0], [0, 1], tmp_path)
     try:
-        assert busy.wait(30)
         # The owner of core 1 has work: it is not lent.
         assert lease.begin_step() == 1 and lease.borrowed == []
         assert torch.get_num_threads() == 1
@@ -106,13 +113,9 @@ def test_an_owner_with_work_waits_one_borrowed_step_then_keeps_its_core(tmp_path
 
 
 def test_a_dead_owner_frees_its_cores(tmp_path):
-    ctx = mp.get_context("spawn")
-    busy, release, done = ctx.Event(), ctx.Event(), ctx.Event()
-    neighbour = ctx.Process(target=_neighbour, args=(str(tmp_path), busy, release, done))
-    neighbour.start()
+    neighbour, _, _ = _busy_neighbour(tmp_path)
     lease = CoreLease([0], [0, 1], tmp_path)
     try:
-        assert busy.wait(30)
         assert lease.begin_step() == 1
         lease.end_step(busy=True)
         neighbour.kill()  # holding its core, mid-work

@@ -13,14 +13,19 @@ copy, made on first use and again whenever the weight is replaced or written
   (the same outputs as ``F.linear``). The AMX kernel accumulates in float32
   in its own order, so its bfloat16 outputs may differ from ``F.linear``'s
   by one rounding.
-- float32: MKL's packed sgemm (``cblas_sgemm_pack`` through torch's
-  ``_mkl_linear``), the same library as ``F.linear`` without the per-call
-  repack. At 64 rows SmolLM2's matmuls take 82 instead of 108 ms a step,
-  at 8 rows half the time, at 2048 rows 3% less (benchmarks.md). Its
-  blocking can differ from the unpacked call's for some shapes and row
-  counts, so an output may differ from ``F.linear``'s in the last bit (a
-  few 1e-7 here), as vLLM's oneDNN path does; one- and two-row calls keep
-  ``F.linear``, which is as fast there.
+- float32 on Intel CPUs: MKL's packed sgemm (``cblas_sgemm_pack`` through
+  torch's ``_mkl_linear``), the same library as ``F.linear`` without the
+  per-call repack. At 64 rows SmolLM2's matmuls take 82 instead of 108 ms a
+  step, at 8 rows half the time, at 2048 rows 3% less (benchmarks.md). One-
+  and two-row calls keep ``F.linear``, which is as fast there.
+- float32 elsewhere: oneDNN's blocked layout, as vLLM's CPU backend uses.
+  MKL takes a generic path on other vendors' CPUs: on an AMD EPYC (AVX-512)
+  SmolLM2's matmuls took 146 ms a step at 64 rows with ``F.linear``, 176
+  with MKL's packed call and 93 with oneDNN's; at one row 23 and 9 ms.
+
+Packed float32 calls block the sums differently from the unpacked one for
+some shapes and row counts, so an output may differ from ``F.linear``'s in
+the last bits (up to ~1e-4 on outputs of ~20), as vLLM's oneDNN path does.
 
 The copy doubles the memory of the weights it serves. Other devices keep
 ``F.linear``.
@@ -33,15 +38,30 @@ import torch.nn.functional as F
 
 from engine.layers import amx_linear
 
-# Float32 calls with fewer rows keep F.linear (the packed call is no faster there).
+# Float32 calls with fewer rows keep F.linear where MKL packs (no faster there).
 MKL_MIN_ROWS = 3
+
+
+def _intel_cpu() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return "GenuineIntel" in line
+    except OSError:
+        pass
+    return False
+
+
+# Which library packs float32 weights: MKL on Intel CPUs, oneDNN elsewhere.
+FP32_MKL = _intel_cpu()
 
 
 def _packable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if x.dtype == torch.bfloat16:
         backend = torch.backends.mkldnn.is_available()
     elif x.dtype == torch.float32:
-        backend = torch.backends.mkl.is_available()
+        backend = (torch.backends.mkl if FP32_MKL else torch.backends.mkldnn).is_available()
     else:
         return False
     return (x.device.type == "cpu" and weight.dtype == x.dtype and weight.dim() == 2 and backend
@@ -68,13 +88,13 @@ class PackedWeight:
         if not _packable(x, weight):
             return F.linear(x, weight, bias)
         flat = x.reshape(-1, x.shape[-1])
-        if x.dtype == torch.float32 and flat.shape[0] < MKL_MIN_ROWS:
+        if x.dtype == torch.float32 and FP32_MKL and flat.shape[0] < MKL_MIN_ROWS:
             return F.linear(x, weight, bias)
         key = (weight.data_ptr(), weight._version)
         if key != self._key:
             self._pack(weight, bias)
             self._key = key
-        if x.dtype == torch.float32:
+        if x.dtype == torch.float32 and FP32_MKL:
             rows = flat.shape[0]
             y = torch.ops.mkl._mkl_linear(flat, self._packed, weight, bias, rows)
         elif not self._amx:
@@ -91,7 +111,8 @@ class PackedWeight:
         self._amx = False
         if weight.dtype == torch.float32:
             # The row count is MKL's blocking hint: 512 serves decode and prefill alike.
-            self._packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, 512)
+            self._packed = (torch.ops.mkl._mkl_reorder_linear_weight(weight, 512) if FP32_MKL
+                            else torch.ops.mkldnn._reorder_linear_weight(weight))
             return
         self._amx = (amx_linear.available() and amx_linear.fits(weight)
                      and (bias is None or bias.dtype == weight.dtype))

@@ -4,6 +4,8 @@ worker process pinned where it was told."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -54,3 +56,24 @@ def test_a_core_the_process_may_not_use_is_refused():
 
     with pytest.raises(ValueError, match="not available"):
         pin_to_cores(str(max(os.sched_getaffinity(0)) + 1))
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_a_worker_that_borrows_may_run_on_the_cores_it_borrows(tmp_path):
+    cores = sorted(os.sched_getaffinity(0))[-2:]
+    model_dir = tiny("llama-gqa")[0]
+    with LocalCluster() as cluster:
+        w = start_worker(cluster, "both", model_dir, 32, "--cpu-cores", str(cores[0]),
+                         "--borrow-cores", format_cores(cores), "--core-lock-dir", str(tmp_path))
+        assert _allowed_cores(w.proc.popen.pid) == cores
+        assert f"borrowing cores {cores[1]} while their owners idle" in w.proc.output()
+        assert {p.name for p in tmp_path.iterdir()} == {f"{c}.{kind}" for c in cores
+                                                        for kind in ("run", "claim")}
+
+
+def test_borrowing_without_cores_of_ones_own_is_refused():
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-m", "decode_service", "--borrow-cores", "0-1"],
+                         capture_output=True, text=True, timeout=120, cwd=root,
+                         env={**os.environ, "PYTHONPATH": str(root)})
+    assert out.returncode == 2 and "--borrow-cores needs --cpu-cores" in out.stderr

@@ -28,14 +28,11 @@ count follows the cores held, one thread each.
 from __future__ import annotations
 
 import fcntl
-import logging
 import os
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-
-logger = logging.getLogger("engine")
 
 
 def _try_lock(fd: int) -> bool:
@@ -68,11 +65,6 @@ class CoreLease:
         self.borrowed: list[int] = []
         self._threads = 0
         self.steps_borrowing = 0  # steps that ran on at least one borrowed core
-
-    @property
-    def threads(self) -> int:
-        """Cores held now: the torch thread count of the current step."""
-        return self._threads
 
     def begin_step(self) -> int:
         """Hold this worker's own cores (waiting for a borrower's step to

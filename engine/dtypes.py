@@ -46,3 +46,12 @@ def cpu_has_native_bf16() -> bool:
     except OSError:  # not Linux: no way to tell cheaply, stay exact
         return False
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+@functools.cache
+def cpu_is_intel() -> bool:
+    """GenuineIntel: MKL takes its fast paths only there."""
+    try:
+        return "GenuineIntel" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False

@@ -36,25 +36,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.dtypes import cpu_is_intel
 from engine.layers import amx_linear
 
 # Float32 calls with fewer rows keep F.linear where MKL packs (no faster there).
 MKL_MIN_ROWS = 3
 
 
-def _intel_cpu() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return "GenuineIntel" in line
-    except OSError:
-        pass
-    return False
-
-
 # Which library packs float32 weights: MKL on Intel CPUs, oneDNN elsewhere.
-FP32_MKL = _intel_cpu()
+FP32_MKL = cpu_is_intel()
 
 
 def _packable(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -1,8 +1,10 @@
 """CPU matmuls through a prepacked weight (engine/layers/packed.py) give
 ``F.linear``'s outputs (bfloat16: exactly through oneDNN's packing, within one
-bfloat16 rounding through the AMX kernel; float32: through MKL's packed sgemm
-or oneDNN's, within float32 summation order), and follow the weight when it
-changes. Both float32 libraries run here, whichever this CPU's vendor picks."""
+bfloat16 rounding through the AMX or AVX512-BF16 decode kernel; float32:
+through MKL's packed sgemm or oneDNN's, within float32 summation order), and
+follow the weight when it changes. Both float32 libraries run here, whichever
+this CPU's vendor picks, and bfloat16 runs with and without this CPU's decode
+kernel."""
 
 from __future__ import annotations
 
@@ -23,6 +25,16 @@ def fp32_library(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture(params=["decode-kernel", "onednn"], autouse=True)
+def bf16_library(request, monkeypatch):
+    """Each test with bfloat16 weights in this CPU's decode kernel layout, and in oneDNN's."""
+    if request.param == "decode-kernel" and packed._decode_kernel() is None:
+        pytest.skip("no bfloat16 decode kernel runs on this CPU")
+    if request.param == "onednn":
+        monkeypatch.setattr(packed, "_decode_kernel", lambda: None)
+    return request.param
+
+
 def randn(*shape, seed, dtype=torch.bfloat16):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
@@ -31,7 +43,7 @@ def assert_same_as_f_linear(out, x, weight, bias=None):
     ref = F.linear(x, weight, bias)
     if x.dtype == torch.float32:  # the sum may be blocked another way: last bits only
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    elif amx_linear.available() and amx_linear.fits(weight):
+    elif packed._decode_kernel() is not None and amx_linear.fits(weight):
         # Float32 sums in another order: a bfloat16 result may round the other way.
         torch.testing.assert_close(out, ref, rtol=2**-7, atol=1e-5)
         assert (out != ref).float().mean() < 0.01

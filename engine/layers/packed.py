@@ -7,12 +7,15 @@ costs about as much as the matmul itself. ``PackedWeight`` keeps a packed
 copy, made on first use and again whenever the weight is replaced or written
 (its data pointer or version counter changes):
 
-- bfloat16: the AMX tile layout of amx_linear.py where that kernel runs
-  (decode-sized batches go through it, larger ones through ``F.linear``,
-  whose reorder is small beside their compute), else oneDNN's own layout
-  (the same outputs as ``F.linear``). The AMX kernel accumulates in float32
-  in its own order, so its bfloat16 outputs may differ from ``F.linear``'s
-  by one rounding.
+- bfloat16: the bf16-pairs layout of amx_linear.py where a decode kernel
+  for it runs, AMX tiles (amx_linear.py) or else AVX512-BF16 dot products
+  (avx512_linear.py): decode-sized batches go through it, larger ones
+  through ``F.linear``, whose reorder is small beside their compute. Else
+  oneDNN's own layout (the same outputs as ``F.linear``). The decode kernels
+  accumulate in float32 in their own order, so their bfloat16 outputs may
+  differ from ``F.linear``'s by one rounding. On an AMD EPYC without AMX,
+  the AVX-512 kernel took a 64-request SmolLM2 decode step from 101-113 to
+  82-87 ms (matmuls 59-67 to 50-60 ms), against oneDNN's packed weights.
 - float32 on Intel CPUs: MKL's packed sgemm (``cblas_sgemm_pack`` through
   torch's ``_mkl_linear``), the same library as ``F.linear`` without the
   per-call repack. At 64 rows SmolLM2's matmuls take 82 instead of 108 ms a
@@ -37,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.dtypes import cpu_is_intel
-from engine.layers import amx_linear
+from engine.layers import amx_linear, avx512_linear
 
 # Float32 calls with fewer rows keep F.linear where MKL packs (no faster there).
 MKL_MIN_ROWS = 3
@@ -61,16 +64,27 @@ def _packable(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
 
 
+def _decode_kernel():
+    """The bf16 decode matmul this CPU runs: AMX tiles, else AVX512-BF16 dot
+    products (both read amx_linear's layout), else None (oneDNN)."""
+    if amx_linear.available():
+        return amx_linear
+    if avx512_linear.available():
+        return avx512_linear
+    return None
+
+
 class PackedWeight:
-    """One weight's packed copy, for ``linear(x, weight)``. bfloat16: AMX
-    tiles (amx_linear.py) where the CPU has them and the shape fits, then
+    """One weight's packed copy, for ``linear(x, weight)``. bfloat16: the
+    bf16-pairs layout where a decode kernel runs and the shape fits, then
     decode-sized batches take that kernel and larger ones ``F.linear``; else
-    oneDNN's blocked layout. float32: MKL's packed layout."""
+    oneDNN's blocked layout. float32: MKL's or oneDNN's packed layout."""
 
     def __init__(self) -> None:
         self._key: tuple[int, int] | None = None
         self._packed: torch.Tensor | None = None
-        self._amx = False
+        # The decode kernel of the bf16 pairs layout (amx_linear or avx512_linear), or None.
+        self._kernel = None
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -87,26 +101,26 @@ class PackedWeight:
         if x.dtype == torch.float32 and FP32_MKL:
             rows = flat.shape[0]
             y = torch.ops.mkl._mkl_linear(flat, self._packed, weight, bias, rows)
-        elif not self._amx:
+        elif self._kernel is None:
             y = torch.ops.mkldnn._linear_pointwise(flat, self._packed, bias, "none", [], "")
-        elif flat.shape[0] <= amx_linear.MAX_ROWS:
-            y = amx_linear.linear(flat, self._packed, weight.shape[0],
-                                  None if bias is None else bias.contiguous())
+        elif flat.shape[0] <= self._kernel.MAX_ROWS:
+            y = self._kernel.linear(flat, self._packed, weight.shape[0],
+                                    None if bias is None else bias.contiguous())
         else:
             return F.linear(x, weight, bias)
         return y.view(*x.shape[:-1], y.shape[-1])
 
     def _pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         weight = weight.detach()
-        self._amx = False
+        self._kernel = None
         if weight.dtype == torch.float32:
             # The row count is MKL's blocking hint: 512 serves decode and prefill alike.
             self._packed = (torch.ops.mkl._mkl_reorder_linear_weight(weight, 512) if FP32_MKL
                             else torch.ops.mkldnn._reorder_linear_weight(weight))
             return
-        self._amx = (amx_linear.available() and amx_linear.fits(weight)
-                     and (bias is None or bias.dtype == weight.dtype))
-        self._packed = (amx_linear.pack(weight) if self._amx
+        if amx_linear.fits(weight) and (bias is None or bias.dtype == weight.dtype):
+            self._kernel = _decode_kernel()
+        self._packed = (amx_linear.pack(weight) if self._kernel is not None
                         else torch.ops.mkldnn._reorder_linear_weight(weight))
 
 

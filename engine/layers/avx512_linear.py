@@ -1,0 +1,177 @@
+"""bfloat16 linear layers for decode-sized batches with AVX512-BF16.
+
+The CPUs with bf16 dot products but no AMX tiles (AMD's Zen 4 and later,
+Intel's Cooper Lake) get this kernel where amx_linear.py's cannot run. A
+decode step is a stream of weight bytes multiplied into a few dozen rows;
+oneDNN's matmul re-blocks the rows for reuse and reads the weight more than
+once. Here the weight takes amx_linear.py's layout (for each 16 outputs,
+their input pairs one after another, each pair of 16 outputs one 64-byte
+vector), and a register block of 4 such 16-output groups times 6 rows is
+accumulated with ``vdpbf16ps``: each weight vector is loaded once per 6 rows
+and each row's input pair once per 64 outputs. The row blocks of one output
+group re-read it from L2, so memory sees each weight byte once per step.
+
+Float32 accumulation in input-pair order, so the bfloat16 outputs may
+differ from ``F.linear``'s by one rounding, as with the AMX kernel. Only
+where the CPU has AVX512-BF16 and the kernel builds (``available``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from engine.attention import cbuild
+from engine.layers.amx_linear import fits, pack  # noqa: F401  (the same weight layout)
+
+# Rows at or below which PackedWeight takes this kernel.
+MAX_ROWS = 128
+
+_SOURCE = r"""
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512BF16__)
+
+#define MR 6  /* rows per register block */
+#define NR 4  /* 16-output groups per register block: MR * NR accumulators */
+
+/* round to nearest even, as torch; NaN kept quiet */
+static inline __m256i to_bf16(__m512 v)
+{
+    __m512i u = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    rounded = _mm512_mask_or_epi32(rounded, nan, u, _mm512_set1_epi32(0x400000));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+
+/* y[0:mr, 0:16 nr] for one register block: `w` is the first of nr groups of
+   16 outputs, each `pairs` vectors of 16 input pairs. Inlined with constant
+   mr and nr, so the accumulators live in registers. */
+static inline __attribute__((always_inline)) void block(
+    uint16_t *y, int64_t y_stride, const uint16_t *x, int64_t x_stride, const int32_t *w,
+    const uint16_t *bias, int64_t pairs, const int mr, const int nr)
+{
+    __m512 acc[MR][NR];
+    for (int m = 0; m < mr; m++)
+        for (int j = 0; j < nr; j++) acc[m][j] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; p++) {
+        __m512bh wv[NR];
+        for (int j = 0; j < nr; j++)
+            wv[j] = (__m512bh)_mm512_loadu_si512(w + (j * pairs + p) * 16);
+        for (int m = 0; m < mr; m++) {
+            int32_t pair;  /* x may sit at any even or odd element */
+            memcpy(&pair, x + m * x_stride + 2 * p, 4);
+            __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+            for (int j = 0; j < nr; j++) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, wv[j]);
+        }
+    }
+    for (int j = 0; j < nr; j++) {
+        __m512 bv = _mm512_setzero_ps();
+        if (bias) bv = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(bias + j * 16))), 16));
+        for (int m = 0; m < mr; m++)
+            _mm256_storeu_si256((__m256i *)(y + m * y_stride + j * 16),
+                                to_bf16(_mm512_add_ps(acc[m][j], bv)));
+    }
+}
+
+#define ROWS_CASE(nr_)                                                                   \
+    switch (mr) {                                                                        \
+    case 1: block(y, y_stride, x, x_stride, w, bias, pairs, 1, nr_); break;             \
+    case 2: block(y, y_stride, x, x_stride, w, bias, pairs, 2, nr_); break;             \
+    case 3: block(y, y_stride, x, x_stride, w, bias, pairs, 3, nr_); break;             \
+    case 4: block(y, y_stride, x, x_stride, w, bias, pairs, 4, nr_); break;             \
+    case 5: block(y, y_stride, x, x_stride, w, bias, pairs, 5, nr_); break;             \
+    default: block(y, y_stride, x, x_stride, w, bias, pairs, 6, nr_); break;            \
+    }
+
+static void dispatch(uint16_t *y, int64_t y_stride, const uint16_t *x, int64_t x_stride,
+                     const int32_t *w, const uint16_t *bias, int64_t pairs, int mr, int nr)
+{
+    switch (nr) {
+    case 1: ROWS_CASE(1) break;
+    case 2: ROWS_CASE(2) break;
+    case 3: ROWS_CASE(3) break;
+    default: ROWS_CASE(4) break;
+    }
+}
+
+/* y[m, n] = bf16(sum_k x[m, k] w[n, k] + bias[n]) for m < rows, n < n_out,
+   from amx_linear's packed layout. x rows are `x_stride` elements apart. */
+int avx512_linear_bf16(uint16_t *y, int64_t y_stride, const uint16_t *x, int64_t x_stride,
+                       const uint16_t *packed, const uint16_t *bias, int64_t rows,
+                       int64_t k_in, int64_t n_out)
+{
+    if (k_in % 32 || n_out % 16 || rows <= 0) return -1;
+    const int64_t pairs = k_in / 2, blocks = n_out / 16, groups = (blocks + NR - 1) / NR;
+    const int32_t *w = (const int32_t *)packed;
+    #pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t b = g * NR;
+        const int nr = blocks - b < NR ? (int)(blocks - b) : NR;
+        for (int64_t m0 = 0; m0 < rows; m0 += MR) {
+            const int mr = rows - m0 < MR ? (int)(rows - m0) : MR;
+            dispatch(y + m0 * y_stride + b * 16, y_stride, x + m0 * x_stride, x_stride,
+                     w + b * pairs * 16, bias ? bias + b * 16 : 0, pairs, mr, nr);
+        }
+    }
+    return 0;
+}
+#else
+int avx512_linear_bf16(uint16_t *y, int64_t y_stride, const uint16_t *x, int64_t x_stride,
+                       const uint16_t *packed, const uint16_t *bias, int64_t rows,
+                       int64_t k_in, int64_t n_out) { return -1; }
+#endif
+
+/* 1 where the kernel was compiled in (the compiler saw AVX512-BF16). */
+int avx512_bf16_built(void)
+{
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+"""
+
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+
+
+@functools.cache
+def _lib():
+    lib = cbuild.load("avx512_linear", _SOURCE)
+    if lib is None or not lib.avx512_bf16_built():
+        return None
+    fn = lib.avx512_linear_bf16
+    fn.restype = ctypes.c_int
+    fn.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64]
+    return lib
+
+
+def available() -> bool:
+    """Whether this CPU and compiler run the kernel."""
+    return _lib() is not None
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for 2-D bfloat16 ``x``, from
+    ``pack(weight)``."""
+    rows, in_features = x.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    y = torch.empty(rows, out_features, dtype=torch.bfloat16)
+    rc = _lib().avx512_linear_bf16(
+        y.data_ptr(), y.stride(0), x.data_ptr(), x.stride(0), packed.data_ptr(),
+        None if bias is None else bias.data_ptr(), rows, in_features, out_features,
+    )
+    if rc != 0:
+        raise ValueError(f"avx512_linear cannot multiply {tuple(x.shape)} by a weight of "
+                         f"{out_features} outputs")
+    return y

@@ -14,7 +14,7 @@ import pytest
 import torch
 from paged_fixtures import make_paged, randn
 
-from engine.attention import cpu_attention
+from engine.attention import c_decode_bf16, cpu_attention
 from engine.attention.backend import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
 from kernels import reference
@@ -50,6 +50,20 @@ MANY = [1 + (i * 37) % 150 for i in range(48)]
 def test_decode_matches_reference(dtype, heads, kv_heads, head_dim, lens):
     k_cache, v_cache, table, seq_lens = make_paged(lens, 16, kv_heads, head_dim, dtype)
     query = randn(len(lens), heads, head_dim, dtype=dtype, seed=1)
+    ref = reference.paged_decode_attention(query, k_cache, v_cache, table, seq_lens, 0.125)
+    out = cpu_attention.paged_attention(query, k_cache, v_cache, table,
+                                        starts_of([1] * len(lens)), seq_lens, 0.125)
+    assert_close(out, ref)
+
+
+@pytest.mark.parametrize("group,np_", c_decode_bf16.DECODE_SHAPES + [(7, 2), (4, 4)])
+def test_every_specialised_bf16_decode_shape_matches_reference(group, np_):
+    # bf16 decodes of these (query heads per kv head, 32-element vectors per
+    # head) take the register-accumulator kernel where the CPU has
+    # AVX512-BF16; the last two are outside the list (the tile kernel).
+    lens = FEW + [150]
+    k_cache, v_cache, table, seq_lens = make_paged(lens, 16, 2, 32 * np_, torch.bfloat16)
+    query = randn(len(lens), 2 * group, 32 * np_, dtype=torch.bfloat16, seed=group)
     ref = reference.paged_decode_attention(query, k_cache, v_cache, table, seq_lens, 0.125)
     out = cpu_attention.paged_attention(query, k_cache, v_cache, table,
                                         starts_of([1] * len(lens)), seq_lens, 0.125)

@@ -25,7 +25,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from engine.attention import cbuild
+from engine.attention import c_decode_bf16, cbuild
 from engine.attention.c_prelude import VECTOR_MATH
 from kernels import reference
 
@@ -309,6 +309,7 @@ static inline __attribute__((always_inline)) void attend_tile_bf16(
         for (int j = 0; j < nv; j++) bf16_store16(o + j * W, acc[r][j] * inv);
     }
 }
+DECODE_BF16
 #define HAVE_DPBF16 1
 #else
 #define HAVE_DPBF16 0
@@ -368,8 +369,14 @@ int paged_attention(
     int all_decode = 1;
     for (int s = 0; all_decode && s < num_seqs; s++)
         all_decode = query_start_loc[s + 1] - query_start_loc[s] <= 1;
+    /* bf16 decodes of a specialised shape: one item per (sequence, kv head),
+       its running sums in registers (c_decode_bf16.py). */
+    int fast_decode = 0;
+#if HAVE_DPBF16
+    fast_decode = dtype == BF16 && all_decode && nv % 2 == 0 && decode_shape(group, nv / 2);
+#endif
     int hk = 1;
-    if (all_decode && num_tiles >= 8 * omp_get_max_threads())
+    if (all_decode && !fast_decode && num_tiles >= 8 * omp_get_max_threads())
         for (hk = num_kv_heads; hk > 1 && (hk * group > MAX_ROWS || num_kv_heads % hk); hk--) {}
     int64_t passes = num_kv_heads / hk, items = num_tiles * passes;
     #pragma omp parallel for schedule(dynamic, 1)
@@ -381,6 +388,14 @@ int paged_attention(
         int nt = end - t0 < tile ? end - t0 : tile;
         int ctx0 = seq_lens[s] - q_len + (t0 - query_start_loc[s]) + 1;
         const int32_t *table = block_tables + s * bts0;
+#if HAVE_DPBF16
+        if (fast_decode) {
+            decode_bf16(out, os0, os1, query, qs0, qs1, (const char *)k_cache,
+                        (const char *)v_cache, cs0, cs1, cs2, table, t0, ctx0, g, group, nv / 2,
+                        block_size, scale);
+            continue;
+        }
+#endif
 #define CALL(NV, DT) attend_tile(out, os0, os1, query, qs0, qs1, (const char *)k_cache, \
         (const char *)v_cache, cs0, cs1, cs2, table, t0, nt, ctx0, g, hk, group, NV, block_size, \
         scale, DT)
@@ -403,7 +418,7 @@ int paged_attention(
     free(tiles);
     return 0;
 }
-"""
+""".replace("DECODE_BF16", c_decode_bf16.source())
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p

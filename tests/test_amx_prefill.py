@@ -1,4 +1,5 @@
-"""The AMX prefill kernel (engine/attention/amx_prefill.py) against
+"""The AMX prefill kernel (engine/attention/amx_prefill.py; on CPUs without
+AMX its tile steps run with AVX512-BF16 dot products) against
 kernels.reference: whole prompts and chunks after cached tokens, lengths on
 and off the 16-token tiles and 32-key steps, shuffled block tables whose
 unused slots hold NaN, GQA groups 1/3/4 and head sizes 64/128,

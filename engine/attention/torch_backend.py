@@ -2,10 +2,10 @@
 
 On the CPU, when the kernel in cpu_attention.py builds here, decodes and
 short prefill chunks are served by it in one call, reading the paged cache in
-place, and longer prefill chunks in bfloat16 by the AMX kernel of
-amx_prefill.py (also in place) where the CPU has AMX, else by SDPA over their
-gathered blocks in the cache's dtype (float32 always: it matches Hugging
-Face's); otherwise, and on other devices, everything by kernels.reference.
+place, and longer prefill chunks in bfloat16 by the tile kernel of
+amx_prefill.py (also in place) where the CPU has AMX or AVX512-BF16, else by
+SDPA over their gathered blocks in the cache's dtype (float32 always: it
+matches Hugging Face's); otherwise, and on other devices, everything by kernels.reference.
 An 8-bit (fp8) cache is always served by kernels.reference, which widens the
 gathered blocks to float32 (the C kernel reads only caches in the query's dtype).
 """
@@ -23,7 +23,7 @@ from kernels import reference
 # it, gathering costs more than it saves (measured on SmolLM2's heads).
 SDPA_FROM = 32
 # NOTE: from this many new tokens a bfloat16 sequence's attention goes to
-# the AMX kernel (one tile of 16 query tokens). It is faster than the C
+# amx_prefill's kernel (one tile of 16 query tokens). With AMX it is faster than the C
 # kernel from 2 new tokens (0.63 against 0.82 ms for 2 after 256 cached, 16
 # sequences, one thread), but it rounds the softmax weights to bfloat16:
 # below a tile, speculative verification (k + 1 tokens) stays on the C

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import SpeculativeConfig
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine.spec_config import SpeculativeConfig
 from engine.spec_decode.base import Proposal, Proposer
 from engine.spec_decode.cost import MIN_STEPS, FixedCosts, StepCostModel
 from engine.spec_decode.drafter import MAX_BACKOFF, SpecDecoder

@@ -37,8 +37,8 @@ from engine_fixtures import (
 from safetensors.torch import load_file, save_file
 from tiny_models import build_tiny_model
 
-from engine.config import SpeculativeConfig
 from engine.sampling_params import SamplingParams
+from engine.spec_config import SpeculativeConfig
 from engine.spec_decode.base import DraftRequest, Proposal, Proposer
 from engine.spec_decode.cost import FixedCosts
 from engine.spec_decode.ngram import NgramProposer

@@ -51,9 +51,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.config import SpeculativeConfig
 from engine.request import Request
 from engine.scheduler_output import SchedulerOutput
+from engine.spec_config import SpeculativeConfig
 from engine.spec_decode.base import DraftRequest, Proposal, Proposer
 from engine.spec_decode.cost import StepCostModel, StepCosts, default_clock
 from engine.spec_decode.stats import SpecDecodeStats

@@ -559,7 +559,9 @@ async def test_sigterm_drains_in_flight_requests(model_dir, gw):
         prefill = start_worker(cluster, "prefill", model_dir, NUM_BLOCKS,
                                "--max-num-batched-tokens", "8")
         decode = start_worker(cluster, "decode", model_dir, NUM_BLOCKS)
-        both = start_worker(cluster, "both", model_dir, NUM_BLOCKS)
+        # A grace long enough for 900 tokens on a loaded machine: the test is
+        # about what a drain does, not about the default grace's length.
+        both = start_worker(cluster, "both", model_dir, NUM_BLOCKS, "--grace", "60")
 
         # A colocated request decoding when the signal comes finishes in full.
         long = asyncio.ensure_future(gw.colocated(both, "drain-long", [5, 6, 7], sp))

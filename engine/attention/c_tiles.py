@@ -91,13 +91,14 @@ static inline __attribute__((always_inline)) void attend_tile(
     const int ctx_max = ctx0 + nt - 1;
     for (int c0 = 0; c0 < ctx_max; c0 += CHUNK) {
         int n = ctx_max - c0 < CHUNK ? ctx_max - c0 : CHUNK;
-        /* The next chunk's rows, across block boundaries (as attend_tile_bf16). */
+        /* The next chunk's rows, across block boundaries (as attend_tile_bf16),
+           into L2 (locality 1). */
         for (int i = 0; i < CHUNK && c0 + CHUNK + i < ctx_max; i++) {
             int pos = c0 + CHUNK + i;
             int64_t off = (int64_t)table[pos / block_size] * cs0 + (pos % block_size) * cs1 + g * cs2;
             for (int b = 0; b < hk * nv * W * esz; b += 64) {
-                __builtin_prefetch(k_cache + off * esz + b);
-                __builtin_prefetch(v_cache + off * esz + b);
+                __builtin_prefetch(k_cache + off * esz + b, 0, 1);
+                __builtin_prefetch(v_cache + off * esz + b, 0, 1);
             }
         }
         for (int i = 0; i < n; i++) {
@@ -230,14 +231,17 @@ static inline __attribute__((always_inline)) void attend_tile_bf16(
         }
         /* The next chunk's rows are in other blocks, wherever the table puts
            them, so the hardware prefetcher cannot run ahead across the
-           jump: ask for them now, while this chunk computes. */
+           jump: ask for them now, while this chunk computes. Into L2: asking
+           for L1 stalls on its few miss buffers (30 decode layers of 64
+           sequences, 21 query heads over 3 kv heads: 40.5 -> 33.0 ms; float32
+           with shuffled tables, 46.6 -> 40.4, interleaved runs). */
         const int row_bytes = hk * nv * 32;
         for (int i = 0; i < 16 && c0 + 16 + i < ctx_max; i++) {
             int pos = c0 + 16 + i;
             int64_t off = (int64_t)table[pos / block_size] * cs0 + (pos % block_size) * cs1 + g * cs2;
             for (int b = 0; b < row_bytes; b += 64) {
-                _mm_prefetch(k_cache + off * 2 + b, _MM_HINT_T0);
-                _mm_prefetch(v_cache + off * 2 + b, _MM_HINT_T0);
+                _mm_prefetch(k_cache + off * 2 + b, _MM_HINT_T2);
+                _mm_prefetch(v_cache + off * 2 + b, _MM_HINT_T2);
             }
         }
         for (int r = 0; r < rows; r++) {

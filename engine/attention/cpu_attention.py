@@ -261,9 +261,10 @@ def prefill_sdpa(
     """Attention of the sequences with at least ``min_query_len`` new tokens,
     written to their rows of ``out``: each one's blocks gathered in the
     cache's dtype and one SDPA call (its CPU flash kernel runs the score and
-    value products as matrix multiplies, which beats the kernel above once a
-    tile holds more than a few tokens). Query ``j`` sees keys up to its own
-    position, as in ``reference.paged_prefill_attention``."""
+    value products as matrix multiplies, which beats the kernel above on
+    prompts of a few hundred tokens and more; below, the gather and the call
+    per sequence cost more: torch_backend.SDPA_FROM). Query ``j`` sees keys
+    up to its own position, as in ``reference.paged_prefill_attention``."""
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     for i, seq_len in enumerate(lens):
         start, end = starts[i], starts[i + 1]

@@ -92,7 +92,7 @@ static inline __attribute__((always_inline)) void attend_tile(
     for (int c0 = 0; c0 < ctx_max; c0 += CHUNK) {
         int n = ctx_max - c0 < CHUNK ? ctx_max - c0 : CHUNK;
         /* The next chunk's rows, across block boundaries (as attend_tile_bf16),
-           into L2 (locality 1). */
+           into L2 (locality 1), as chunk_rows_bf16. */
         for (int i = 0; i < CHUNK && c0 + CHUNK + i < ctx_max; i++) {
             int pos = c0 + CHUNK + i;
             int64_t off = (int64_t)table[pos / block_size] * cs0 + (pos % block_size) * cs1 + g * cs2;
@@ -190,6 +190,35 @@ static inline vf reduce16(vf *v) {
 #undef PICK
 }
 
+/* The cache rows of keys c0 .. c0 + 15 of kv head g into krow and vrow
+   (those past n: key c0's, so every pointer is valid), then the next 16
+   keys' first `bytes` asked for. They are in other blocks, wherever the
+   table puts them, so the hardware prefetcher cannot run ahead across the
+   jump: ask for them now, while this chunk computes. Into L2: asking for L1
+   stalls on its few miss buffers (30 decode layers of 64 sequences, 21
+   query heads over 3 kv heads: 40.5 -> 33.0 ms; float32 with shuffled
+   tables, 46.6 -> 40.4; interleaved runs). */
+static inline __attribute__((always_inline)) void chunk_rows_bf16(
+    const char **krow, const char **vrow, const char *k_cache, const char *v_cache,
+    const int32_t *table, int block_size, int64_t cs0, int64_t cs1, int64_t cs2, int g, int c0,
+    int n, int end, int bytes)
+{
+    for (int i = 0; i < 16; i++) {
+        int pos = c0 + (i < n ? i : 0);
+        int64_t off = (int64_t)table[pos / block_size] * cs0 + (pos % block_size) * cs1 + g * cs2;
+        krow[i] = k_cache + off * 2;
+        vrow[i] = v_cache + off * 2;
+    }
+    for (int i = 0; i < 16 && c0 + 16 + i < end; i++) {
+        int pos = c0 + 16 + i;
+        int64_t off = (int64_t)table[pos / block_size] * cs0 + (pos % block_size) * cs1 + g * cs2;
+        for (int b = 0; b < bytes; b += 64) {
+            _mm_prefetch(k_cache + off * 2 + b, _MM_HINT_T2);
+            _mm_prefetch(v_cache + off * 2 + b, _MM_HINT_T2);
+        }
+    }
+}
+
 /* attend_tile for bfloat16 with AVX512-BF16, over `hk` adjacent kv heads
    from `g` at once, so that one pass over the keys reads whole cache rows
    (a token's heads are adjacent). Row r is token r / (hk * group) of the
@@ -223,27 +252,8 @@ static inline __attribute__((always_inline)) void attend_tile_bf16(
     for (int c0 = 0; c0 < ctx_max; c0 += 16) {
         int n = ctx_max - c0 < 16 ? ctx_max - c0 : 16;
         const char *krow[16], *vrow[16];
-        for (int i = 0; i < 16; i++) {
-            int pos = c0 + (i < n ? i : 0);
-            int64_t off = (int64_t)table[pos / block_size] * cs0 + (pos % block_size) * cs1 + g * cs2;
-            krow[i] = k_cache + off * 2;
-            vrow[i] = v_cache + off * 2;
-        }
-        /* The next chunk's rows are in other blocks, wherever the table puts
-           them, so the hardware prefetcher cannot run ahead across the
-           jump: ask for them now, while this chunk computes. Into L2: asking
-           for L1 stalls on its few miss buffers (30 decode layers of 64
-           sequences, 21 query heads over 3 kv heads: 40.5 -> 33.0 ms; float32
-           with shuffled tables, 46.6 -> 40.4, interleaved runs). */
-        const int row_bytes = hk * nv * 32;
-        for (int i = 0; i < 16 && c0 + 16 + i < ctx_max; i++) {
-            int pos = c0 + 16 + i;
-            int64_t off = (int64_t)table[pos / block_size] * cs0 + (pos % block_size) * cs1 + g * cs2;
-            for (int b = 0; b < row_bytes; b += 64) {
-                _mm_prefetch(k_cache + off * 2 + b, _MM_HINT_T2);
-                _mm_prefetch(v_cache + off * 2 + b, _MM_HINT_T2);
-            }
-        }
+        chunk_rows_bf16(krow, vrow, k_cache, v_cache, table, block_size, cs0, cs1, cs2, g, c0, n,
+                        ctx_max, hk * nv * 32);
         for (int r = 0; r < rows; r++) {
             int valid = ctx0 + r / per_token - c0;  /* keys of this chunk row r sees */
             valid = valid < 0 ? 0 : valid < n ? valid : n;

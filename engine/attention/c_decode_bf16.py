@@ -55,15 +55,8 @@ static inline __attribute__((always_inline)) void attend_decode_bf16(
                 }
                 part[i] = a;
             }
-            vf sc = reduce16(part) * splat(scale);
-            sc = (vf)(((vi)sc & keep) | ((vi)splat(-INFINITY) & ~keep));
-            float mx = _mm512_reduce_max_ps(sc);
-            mx = mx > m[r] ? mx : m[r];
-            vf p = vexp(sc - splat(mx));
-            p = (vf)((vi)p & keep);
-            float alpha = expf(m[r] - mx);
-            l[r] = l[r] * alpha + hsum(p);
-            m[r] = mx;
+            vf p;
+            float alpha = softmax_step16(reduce16(part) * splat(scale), keep, &m[r], &l[r], &p);
             for (int j = 0; j < NV; j++) acc[r][j] *= splat(alpha);
             memcpy(pr[r], &p, sizeof p);
         }

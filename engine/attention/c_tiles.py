@@ -219,6 +219,23 @@ static inline __attribute__((always_inline)) void chunk_rows_bf16(
     }
 }
 
+/* One query row's online-softmax step over 16 scores, those outside `keep`
+   masked: `p` gets their weights (0 where masked), the row's running max
+   `m` and sum `l` move on, and the factor its running sums of values must
+   be scaled by is returned. */
+static inline __attribute__((always_inline)) float softmax_step16(vf sc, vi keep, float *m,
+                                                                  float *l, vf *p)
+{
+    sc = (vf)(((vi)sc & keep) | ((vi)splat(-INFINITY) & ~keep));
+    float mx = _mm512_reduce_max_ps(sc);
+    mx = mx > *m ? mx : *m;
+    *p = (vf)((vi)vexp(sc - splat(mx)) & keep);
+    float alpha = expf(*m - mx);
+    *l = *l * alpha + hsum(*p);
+    *m = mx;
+    return alpha;
+}
+
 /* attend_tile for bfloat16 with AVX512-BF16, over `hk` adjacent kv heads
    from `g` at once, so that one pass over the keys reads whole cache rows
    (a token's heads are adjacent). Row r is token r / (hk * group) of the
@@ -271,16 +288,8 @@ static inline __attribute__((always_inline)) void attend_tile_bf16(
                 }
                 part[i] = a;
             }
-            vf sc = reduce16(part) * splat(scale);
-            vi keep = lane < valid;
-            sc = (vf)(((vi)sc & keep) | ((vi)splat(-INFINITY) & ~keep));
-            float mx = hmax(sc);
-            mx = mx > m[r] ? mx : m[r];
-            vf p = vexp(sc - splat(mx));
-            p = (vf)((vi)p & keep);
-            float alpha = expf(m[r] - mx);
-            l[r] = l[r] * alpha + hsum(p);
-            m[r] = mx;
+            vf p;
+            float alpha = softmax_step16(reduce16(part) * splat(scale), lane < valid, &m[r], &l[r], &p);
             if (alpha != 1.f)
                 for (int j = 0; j < nv; j++) acc[r][j] *= splat(alpha);
             memcpy(pr[r], &p, sizeof p);

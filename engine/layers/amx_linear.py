@@ -12,8 +12,9 @@ rows (four 16 x 16 float32 tiles), with the next tiles prefetched.
 
 Float32 accumulation as oneDNN's, in its own order (bfloat16 outputs may
 differ from ``F.linear``'s by one rounding). Only where the CPU has AMX and
-the kernel builds (``available``); ``PackedWeight`` keeps oneDNN otherwise,
-and for larger batches (prefill), where its blocking for reuse wins.
+the kernel builds (``available``); elsewhere ``PackedWeight`` takes
+avx512_linear.py's kernel (the same layout) or oneDNN, and larger batches
+(prefill) go to ``F.linear``, whose blocking for reuse wins there.
 """
 
 from __future__ import annotations

@@ -19,6 +19,8 @@ Where the CPU has AVX512-BF16 but no AMX, the same steps run on tiles kept
 in memory, each tile multiply as 256 ``vdpbf16ps`` (``T_DP``): on a 2-core
 AMD EPYC a layer of 8 x 500-token prefills took 17 ms against 43 in
 cpu_attention's tile kernel and 53 in SDPA (1 x 2000 tokens: 31, 79, 54).
+The C text is in three parts: the tile operations (c_amx_tiles.py), one
+32-key step (c_flash_step.py) and the work items here.
 Only where the CPU has AVX512-BF16 and the kernel builds (``available``).
 Differs from the float32 reference by the bfloat16 rounding of ``P`` and of
 the output, and by its exponential (~1e-6).
@@ -31,7 +33,7 @@ import functools
 
 import torch
 
-from engine.attention import c_amx_tiles, cbuild
+from engine.attention import c_amx_tiles, c_flash_step, cbuild
 
 _SOURCE = r"""
 #include <immintrin.h>
@@ -85,136 +87,7 @@ static void *zalloc(size_t bytes) {
     return p;
 }
 
-/* NOTE: scores may run this far above the max the exponentials subtract
-   before it is raised (and O, l rescaled): p <= e^8 stays exact enough in
-   float32 and bfloat16 and spares a rescale on most steps. */
-#define LAZY 8.f
-
-/* One query head's step over keys c0 .. c0 + n - 1: S^T = K Q^T, the online
-   softmax, O += P V. `k0`, `k1`: the two 16-key halves (rows `kstride`
-   elements apart; k1 unused when n <= 16). Token r sees the step's first
-   seen0 + r keys; seen0 >= KEYS: all of them. */
-static void step_head(scratch_t *sc, int h, int dim, const uint16_t *k0, const uint16_t *k1,
-                      int64_t kstride, const int32_t *vp, int n, int seen0, float scale)
-{
-    const int ks = dim / 32;
-    const int32_t *qt = sc->qt + (int64_t)h * ks * 256;
-    /* Tile numbers are constants: 0 and 1 hold the two 16-key halves' scores
-       (independent chains, so one tile's multiply hides the other's latency). */
-    T_ZERO(0);
-    T_ZERO(1);
-    for (int kk = 0; kk < ks; kk++) {
-        T_LOAD(4, qt + kk * 256, 64);
-        T_LOAD(2, k0 + kk * 32, kstride * 2);
-        T_DP(0, 2, 4);
-        if (n > 16) {
-            T_LOAD(3, k1 + kk * 32, kstride * 2);
-            T_DP(1, 3, 4);
-        }
-    }
-    T_STORE(0, sc->st, 64);
-    if (n > 16) T_STORE(1, sc->st + 16 * ROWS, 64);
-    float *mp = sc->m + h * ROWS, *lp = sc->l + h * ROWS, *o = sc->o + (int64_t)h * ROWS * dim;
-    const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
-    __m512 s[KEYS];
-    __mmask16 vis[KEYS];
-    __m512 mx[4] = {ninf, ninf, ninf, ninf};
-    for (int i = 0; i < KEYS; i++) {
-        /* key i is seen by tokens r with seen0 + r > i */
-        int first = i - seen0 + 1;
-        vis[i] = i >= n || first >= 16 ? 0 : first <= 0 ? 0xffff : (__mmask16)(0xffff << first);
-        s[i] = _mm512_mul_ps(_mm512_load_ps(sc->st + i * ROWS), vscale);
-        if (i < n) mx[i % 4] = _mm512_mask_max_ps(mx[i % 4], vis[i], mx[i % 4], s[i]);
-    }
-    __m512 cmax = _mm512_max_ps(_mm512_max_ps(mx[0], mx[1]), _mm512_max_ps(mx[2], mx[3]));
-    __m512 m = _mm512_load_ps(mp), l = _mm512_load_ps(lp);
-    __mmask16 raise = _mm512_cmp_ps_mask(cmax, _mm512_add_ps(m, _mm512_set1_ps(LAZY)), _CMP_GT_OQ);
-    if (raise) {
-        __m512 m_new = _mm512_mask_mov_ps(m, raise, cmax);
-        float alpha[ROWS] __attribute__((aligned(64)));
-        _mm512_store_ps(alpha, exp16(_mm512_sub_ps(m, m_new)));  /* 0 where m was -inf */
-        l = _mm512_mask_mul_ps(l, raise, l, _mm512_load_ps(alpha));
-        for (int r = 0; r < ROWS; r++) {
-            if (!(raise >> r & 1)) continue;
-            __m512 a = _mm512_set1_ps(alpha[r]);
-            for (int d = 0; d < dim; d += 16)
-                _mm512_store_ps(o + r * dim + d, _mm512_mul_ps(_mm512_load_ps(o + r * dim + d), a));
-        }
-        m = m_new;
-    }
-    __m512 sum[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-    __m512 p[KEYS];
-    for (int i = 0; i < KEYS; i++) {
-        p[i] = vis[i] ? _mm512_maskz_mov_ps(vis[i], exp16(_mm512_sub_ps(s[i], m))) : _mm512_setzero_ps();
-        sum[i % 2] = _mm512_add_ps(sum[i % 2], p[i]);
-    }
-    _mm512_store_ps(mp, m);
-    _mm512_store_ps(lp, _mm512_add_ps(l, _mm512_add_ps(sum[0], sum[1])));
-    /* P^T rows (keys) -> bf16 pairs of keys per token -> transposed to P's rows. */
-    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-                                           23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    __m512i x[16];
-    for (int kp = 0; kp < 16; kp++)
-        x[kp] = _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(p[2 * kp + 1], p[2 * kp]));
-    transpose16(x);
-    for (int r = 0; r < ROWS; r++) _mm512_store_si512(sc->pt + r * 16, x[r]);
-    /* O += P V, four 16-dim column tiles of O at a time (tiles 4-7). */
-    T_LOAD(0, sc->pt, 64);
-    const int nd = dim / 16;  /* even */
-    for (int c = 0; c < nd; c += 4) {
-        const int four = c + 2 < nd;
-        T_LOAD(4, o + c * 16, dim * 4);
-        T_LOAD(5, o + (c + 1) * 16, dim * 4);
-        T_LOAD(1, vp + c * 256, 64);
-        T_LOAD(2, vp + (c + 1) * 256, 64);
-        T_DP(4, 0, 1);
-        T_DP(5, 0, 2);
-        if (four) {
-            T_LOAD(6, o + (c + 2) * 16, dim * 4);
-            T_LOAD(7, o + (c + 3) * 16, dim * 4);
-            T_LOAD(3, vp + (c + 2) * 256, 64);
-            T_DP(6, 0, 3);
-            T_LOAD(1, vp + (c + 3) * 256, 64);
-            T_DP(7, 0, 1);
-        }
-        T_STORE(4, o + c * 16, dim * 4);
-        T_STORE(5, o + (c + 1) * 16, dim * 4);
-        if (four) {
-            T_STORE(6, o + (c + 2) * 16, dim * 4);
-            T_STORE(7, o + (c + 3) * 16, dim * 4);
-        }
-    }
-}
-
-/* One step of a sequence's cache, kv head g, keys c0 .. c0 + n - 1 (n <=
-   KEYS), packed: values into `vp` ([dim / 16][16 key pairs][16 dims], pairs
-   of keys interleaved), and keys into `kp` ([KEYS][dim]) unless it is NULL;
-   zero past n. */
-static void pack_step(int32_t *vp, uint16_t *kp, const uint16_t *k_cache, const uint16_t *v_cache,
-                      int64_t cs0, int64_t cs1, int64_t cs2, const int32_t *table, int block_size,
-                      int g, int c0, int n, int dim)
-{
-    const uint16_t *vrow[KEYS];
-    for (int i = 0; i < n; i++) {
-        int pos = c0 + i;
-        int64_t off = (int64_t)table[pos / block_size] * cs0 + (pos % block_size) * cs1 + g * cs2;
-        vrow[i] = v_cache + off;
-        if (kp) memcpy(kp + i * dim, k_cache + off, dim * 2);
-    }
-    if (kp && n < KEYS) memset(kp + n * dim, 0, (KEYS - n) * dim * 2);
-    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
-                                        39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
-    for (int j = 0; j < KEYS / 2; j++) {
-        const uint16_t *a = 2 * j < n ? vrow[2 * j] : NULL, *b = 2 * j + 1 < n ? vrow[2 * j + 1] : NULL;
-        for (int d = 0; d < dim; d += 32) {
-            __m512i va = a ? _mm512_loadu_si512(a + d) : _mm512_setzero_si512();
-            __m512i vb = b ? _mm512_loadu_si512(b + d) : _mm512_setzero_si512();
-            _mm512_store_si512(vp + ((d / 16) * 16 + j) * 16, _mm512_permutex2var_epi16(va, lo, vb));
-            _mm512_store_si512(vp + ((d / 16 + 1) * 16 + j) * 16, _mm512_permutex2var_epi16(va, hi, vb));
-        }
-    }
-}
+""" + c_flash_step.SOURCE + r"""
 
 /* Attention of every sequence with at least `min_query_len` new tokens;
    the others' rows of `out` are left as they were. Caches are

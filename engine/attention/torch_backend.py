@@ -5,7 +5,8 @@ short prefill chunks are served by it in one call, reading the paged cache in
 place, and longer prefill chunks in bfloat16 by the tile kernel of
 amx_prefill.py (also in place) where the CPU has AMX or AVX512-BF16, else by
 SDPA over their gathered blocks in the cache's dtype (float32 always: it
-matches Hugging Face's); otherwise, and on other devices, everything by kernels.reference.
+matches Hugging Face's); otherwise, and on other devices, everything by
+kernels.reference.
 An 8-bit (fp8) cache is always served by kernels.reference, which widens the
 gathered blocks to float32 (the C kernel reads only caches in the query's dtype).
 """
@@ -26,12 +27,12 @@ from kernels import reference
 # 28.8 against 29.6, 8 x 500 49.9 against 48.0, 1 x 2000 94 against 51.
 SDPA_FROM = 256
 # NOTE: from this many new tokens a bfloat16 sequence's attention goes to
-# amx_prefill's kernel (one tile of 16 query tokens). With AMX it is faster than the C
-# kernel from 2 new tokens (0.63 against 0.82 ms for 2 after 256 cached, 16
-# sequences, one thread), but it rounds the softmax weights to bfloat16:
-# below a tile, speculative verification (k + 1 tokens) stays on the C
-# kernel, whose rows compute exactly as the decodes they stand for, so a
-# greedy bfloat16 text is the same with and without speculation.
+# amx_prefill's kernel (one tile of 16 query tokens). With AMX it is faster
+# than the C kernel from 2 new tokens (0.63 against 0.82 ms for 2 after 256
+# cached, 16 sequences, one thread), but it rounds the softmax weights to
+# bfloat16: below a tile, speculative verification (k + 1 tokens) stays on
+# the C kernel, whose rows compute exactly as the decodes they stand for, so
+# a greedy bfloat16 text is the same with and without speculation.
 AMX_FROM = 16
 
 

@@ -24,31 +24,19 @@ import functools
 import torch
 
 from engine.attention import cbuild
+from engine.attention.c_prelude import VECTOR_MATH
 from engine.layers.amx_linear import fits, pack  # noqa: F401  (the same weight layout)
 
 # Rows at or below which PackedWeight takes this kernel.
 MAX_ROWS = 128
 
-_SOURCE = r"""
+_SOURCE = VECTOR_MATH + r"""
 #include <immintrin.h>
-#include <stdint.h>
-#include <string.h>
 
 #if defined(__AVX512BF16__)
 
 #define MR 6  /* rows per register block */
 #define NR 4  /* 16-output groups per register block: MR * NR accumulators */
-
-/* round to nearest even, as torch; NaN kept quiet */
-static inline __m256i to_bf16(__m512 v)
-{
-    __m512i u = _mm512_castps_si512(v);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i rounded = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    rounded = _mm512_mask_or_epi32(rounded, nan, u, _mm512_set1_epi32(0x400000));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
-}
 
 /* y[0:mr, 0:16 nr] for one register block: `w` is the first of nr groups of
    16 outputs, each `pairs` vectors of 16 input pairs. Inlined with constant
@@ -72,12 +60,8 @@ static inline __attribute__((always_inline)) void block(
         }
     }
     for (int j = 0; j < nr; j++) {
-        __m512 bv = _mm512_setzero_ps();
-        if (bias) bv = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(bias + j * 16))), 16));
-        for (int m = 0; m < mr; m++)
-            _mm256_storeu_si256((__m256i *)(y + m * y_stride + j * 16),
-                                to_bf16(_mm512_add_ps(acc[m][j], bv)));
+        vf bv = bias ? bf16_load16(bias + j * 16) : splat(0.f);
+        for (int m = 0; m < mr; m++) bf16_store16(y + m * y_stride + j * 16, (vf)acc[m][j] + bv);
     }
 }
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from paged_fixtures import make_paged, randn
 
-from engine.attention import c_decode_bf16, cpu_attention
+from engine.attention import c_decode, cpu_attention
 from engine.attention.backend import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
 from kernels import reference
@@ -56,7 +56,7 @@ def test_decode_matches_reference(dtype, heads, kv_heads, head_dim, lens):
     assert_close(out, ref)
 
 
-@pytest.mark.parametrize("group,np_", c_decode_bf16.DECODE_SHAPES + [(7, 2), (4, 4)])
+@pytest.mark.parametrize("group,np_", c_decode.DECODE_SHAPES + [(7, 2), (4, 4)])
 def test_every_specialised_bf16_decode_shape_matches_reference(group, np_):
     # bf16 decodes of these (query heads per kv head, 32-element vectors per
     # head) take the register-accumulator kernel where the CPU has

@@ -5,13 +5,14 @@ of one sequence, times the query heads of one or more kv heads) against the
 sequence's cached keys read in place through its block table, float32 or
 bfloat16 widened to float32, with an online softmax 32 keys at a time;
 ``attend_tile_bf16`` is the same walk with AVX512-BF16 dot products for the
-scores, 16 keys at a time, where the compiler has them (``HAVE_DPBF16``),
-and the register-accumulator decode of c_decode_bf16.py follows it there.
+scores, 16 keys at a time, where the compiler has them (``HAVE_DPBF16``);
+the register-accumulator decodes of c_decode.py follow where it has AVX-512
+(``HAVE_FAST_DECODE``).
 cpu_attention.py adds the dispatcher (``paged_attention``) and ``store_kv``.
 Needs c_prelude.VECTOR_MATH before it.
 """
 
-from engine.attention import c_decode_bf16
+from engine.attention import c_decode
 
 _SOURCE = r"""
 #include <omp.h>
@@ -92,7 +93,7 @@ static inline __attribute__((always_inline)) void attend_tile(
     for (int c0 = 0; c0 < ctx_max; c0 += CHUNK) {
         int n = ctx_max - c0 < CHUNK ? ctx_max - c0 : CHUNK;
         /* The next chunk's rows, across block boundaries (as attend_tile_bf16),
-           into L2 (locality 1), as chunk_rows_bf16. */
+           into L2 (locality 1), as chunk_rows. */
         for (int i = 0; i < CHUNK && c0 + CHUNK + i < ctx_max; i++) {
             int pos = c0 + CHUNK + i;
             int64_t off = (int64_t)table[pos / block_size] * cs0 + (pos % block_size) * cs1 + g * cs2;
@@ -169,7 +170,14 @@ static inline __attribute__((always_inline)) void attend_tile(
 }
 
 #ifdef __AVX512BF16__
+#define HAVE_DPBF16 1
+#else
+#define HAVE_DPBF16 0
+#endif
+
+#ifdef __AVX512F__
 #include <immintrin.h>
+#define HAVE_FAST_DECODE 1
 
 /* v[0..15] -> one vector whose lane i is the sum of v[i]'s lanes: a tree of
    two-input shuffles that halves the vectors and their lanes at each level. */
@@ -192,29 +200,29 @@ static inline vf reduce16(vf *v) {
 
 /* The cache rows of keys c0 .. c0 + 15 of kv head g into krow and vrow
    (those past n: key c0's, so every pointer is valid), then the next 16
-   keys' first `bytes` asked for. They are in other blocks, wherever the
-   table puts them, so the hardware prefetcher cannot run ahead across the
-   jump: ask for them now, while this chunk computes. Into L2: asking for L1
-   stalls on its few miss buffers (30 decode layers of 64 sequences, 21
-   query heads over 3 kv heads: 40.5 -> 33.0 ms; float32 with shuffled
-   tables, 46.6 -> 40.4; interleaved runs). */
-static inline __attribute__((always_inline)) void chunk_rows_bf16(
+   keys' first `bytes` asked for; elements are `esz` bytes. They are in
+   other blocks, wherever the table puts them, so the hardware prefetcher
+   cannot run ahead across the jump: ask for them now, while this chunk
+   computes. Into L2: asking for L1 stalls on its few miss buffers (30
+   decode layers of 64 sequences, 21 query heads over 3 kv heads: 40.5 ->
+   33.0 ms; float32 with shuffled tables, 46.6 -> 40.4; interleaved runs). */
+static inline __attribute__((always_inline)) void chunk_rows(
     const char **krow, const char **vrow, const char *k_cache, const char *v_cache,
     const int32_t *table, int block_size, int64_t cs0, int64_t cs1, int64_t cs2, int g, int c0,
-    int n, int end, int bytes)
+    int n, int end, int bytes, const int esz)
 {
     for (int i = 0; i < 16; i++) {
         int pos = c0 + (i < n ? i : 0);
         int64_t off = (int64_t)table[pos / block_size] * cs0 + (pos % block_size) * cs1 + g * cs2;
-        krow[i] = k_cache + off * 2;
-        vrow[i] = v_cache + off * 2;
+        krow[i] = k_cache + off * esz;
+        vrow[i] = v_cache + off * esz;
     }
     for (int i = 0; i < 16 && c0 + 16 + i < end; i++) {
         int pos = c0 + 16 + i;
         int64_t off = (int64_t)table[pos / block_size] * cs0 + (pos % block_size) * cs1 + g * cs2;
         for (int b = 0; b < bytes; b += 64) {
-            _mm_prefetch(k_cache + off * 2 + b, _MM_HINT_T2);
-            _mm_prefetch(v_cache + off * 2 + b, _MM_HINT_T2);
+            _mm_prefetch(k_cache + off * esz + b, _MM_HINT_T2);
+            _mm_prefetch(v_cache + off * esz + b, _MM_HINT_T2);
         }
     }
 }
@@ -236,6 +244,7 @@ static inline __attribute__((always_inline)) float softmax_step16(vf sc, vi keep
     return alpha;
 }
 
+#if HAVE_DPBF16
 /* attend_tile for bfloat16 with AVX512-BF16, over `hk` adjacent kv heads
    from `g` at once, so that one pass over the keys reads whole cache rows
    (a token's heads are adjacent). Row r is token r / (hk * group) of the
@@ -269,8 +278,8 @@ static inline __attribute__((always_inline)) void attend_tile_bf16(
     for (int c0 = 0; c0 < ctx_max; c0 += 16) {
         int n = ctx_max - c0 < 16 ? ctx_max - c0 : 16;
         const char *krow[16], *vrow[16];
-        chunk_rows_bf16(krow, vrow, k_cache, v_cache, table, block_size, cs0, cs1, cs2, g, c0, n,
-                        ctx_max, hk * nv * 32);
+        chunk_rows(krow, vrow, k_cache, v_cache, table, block_size, cs0, cs1, cs2, g, c0, n,
+                   ctx_max, hk * nv * 32, 2);
         for (int r = 0; r < rows; r++) {
             int valid = ctx0 + r / per_token - c0;  /* keys of this chunk row r sees */
             valid = valid < 0 ? 0 : valid < n ? valid : n;
@@ -316,14 +325,14 @@ static inline __attribute__((always_inline)) void attend_tile_bf16(
         for (int j = 0; j < nv; j++) bf16_store16(o + j * W, acc[r][j] * inv);
     }
 }
-DECODE_BF16
-#define HAVE_DPBF16 1
+#endif  /* HAVE_DPBF16 */
+DECODE_SOURCE
 #else
-#define HAVE_DPBF16 0
-#endif
+#define HAVE_FAST_DECODE 0
+#endif  /* __AVX512F__ */
 """
 
 
 def source() -> str:
-    """The C text, with the specialised bf16 decodes spliced in."""
-    return _SOURCE.replace("DECODE_BF16", c_decode_bf16.source())
+    """The C text, with the specialised decodes spliced in."""
+    return _SOURCE.replace("DECODE_SOURCE", c_decode.source())

@@ -16,7 +16,8 @@ Same maths as the reference up to float32 rounding order (the softmax is
 accumulated chunk by chunk rather than over the whole row at once); the
 exponential is a polynomial of its own (within ~2 ulp of float32's).
 
-The tiles' C source is in c_tiles.py (bfloat16 decodes: c_decode_bf16.py);
+The tiles' C source is in c_tiles.py (decodes with their sums in registers:
+c_decode.py);
 this module adds the dispatcher and the Python entry points.
 """
 
@@ -87,13 +88,15 @@ int paged_attention(
     int all_decode = 1;
     for (int s = 0; all_decode && s < num_seqs; s++)
         all_decode = query_start_loc[s + 1] - query_start_loc[s] <= 1;
-    /* bf16 decodes of a specialised shape: one item per (sequence, kv head),
-       its running sums in registers (c_decode_bf16.py). */
+    /* Decodes of a specialised shape: one item per (sequence, kv head), its
+       running sums in registers (c_decode.py); bf16 only with AVX512-BF16. */
     int fast_decode = 0;
-#if HAVE_DPBF16
-    fast_decode = dtype == BF16 && all_decode && nv % 2 == 0 && decode_shape(group, nv / 2);
+#if HAVE_FAST_DECODE
+    fast_decode = (dtype == F32 || HAVE_DPBF16) && all_decode && nv % 2 == 0
+        && decode_shape(group, nv / 2);
 #endif
     int hk = 1;
+    if (fast_decode && num_tiles >= 8 * omp_get_max_threads()) hk = num_kv_heads;
     if (all_decode && !fast_decode && num_tiles >= 8 * omp_get_max_threads())
         for (hk = num_kv_heads; hk > 1 && (hk * group > MAX_ROWS || num_kv_heads % hk); hk--) {}
     int64_t passes = num_kv_heads / hk, items = num_tiles * passes;
@@ -106,11 +109,12 @@ int paged_attention(
         int nt = end - t0 < tile ? end - t0 : tile;
         int ctx0 = seq_lens[s] - q_len + (t0 - query_start_loc[s]) + 1;
         const int32_t *table = block_tables + s * bts0;
-#if HAVE_DPBF16
+#if HAVE_FAST_DECODE
         if (fast_decode) {
-            decode_bf16(out, os0, os1, query, qs0, qs1, (const char *)k_cache,
-                        (const char *)v_cache, cs0, cs1, cs2, table, t0, ctx0, g, group, nv / 2,
-                        block_size, scale);
+            for (int h = g; h < g + hk; h++)
+            decode_fast(out, os0, os1, query, qs0, qs1, (const char *)k_cache,
+                        (const char *)v_cache, cs0, cs1, cs2, table, t0, ctx0, h, group, nv / 2,
+                        block_size, scale, dtype);
             continue;
         }
 #endif

@@ -21,10 +21,15 @@ copy, made on first use and again whenever the weight is replaced or written
   per-call repack. At 64 rows SmolLM2's matmuls take 82 instead of 108 ms a
   step, at 8 rows half the time, at 2048 rows 3% less (benchmarks.md). One-
   and two-row calls keep ``F.linear``, which is as fast there.
-- float32 elsewhere: oneDNN's blocked layout, as vLLM's CPU backend uses.
-  MKL takes a generic path on other vendors' CPUs: on an AMD EPYC (AVX-512)
-  SmolLM2's matmuls took 146 ms a step at 64 rows with ``F.linear``, 176
-  with MKL's packed call and 93 with oneDNN's; at one row 23 and 9 ms.
+- float32 elsewhere: MKL takes a generic path on other vendors' CPUs: on an
+  AMD EPYC (AVX-512) SmolLM2's matmuls took 146 ms a step at 64 rows with
+  ``F.linear``, 176 with MKL's packed call and 93 with oneDNN's blocked
+  layout (as vLLM's CPU backend uses); at one row 23 and 9 ms. Where the CPU
+  has AVX-512, avx512_linear_f32.py's kernel streams each weight once per
+  call instead, at every row count: on the same EPYC, with weights cold
+  from memory as in a step, 53-54 against 55-57 ms at 64 rows, 14 against
+  18 at one; with one layer's weights warm, 37 against 39 ms for a layer's
+  matmuls at 2048 rows (prefill). Elsewhere, oneDNN's layout.
 
 Packed float32 calls block the sums differently from the unpacked one for
 some shapes and row counts, so an output may differ from ``F.linear``'s in
@@ -40,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.dtypes import cpu_is_intel
-from engine.layers import amx_linear, avx512_linear
+from engine.layers import amx_linear, avx512_linear, avx512_linear_f32
 
 # Float32 calls with fewer rows keep F.linear where MKL packs (no faster there).
 MKL_MIN_ROWS = 3
@@ -74,16 +79,24 @@ def _decode_kernel():
     return None
 
 
+def _f32_kernel():
+    """The float32 matmul this CPU runs from its own layout where MKL is not
+    used: avx512_linear_f32 with AVX-512, else None (oneDNN)."""
+    return avx512_linear_f32 if avx512_linear_f32.available() else None
+
+
 class PackedWeight:
     """One weight's packed copy, for ``linear(x, weight)``. bfloat16: the
     bf16-pairs layout where a decode kernel runs and the shape fits, then
     decode-sized batches take that kernel and larger ones ``F.linear``; else
-    oneDNN's blocked layout. float32: MKL's or oneDNN's packed layout."""
+    oneDNN's blocked layout. float32: MKL's layout on Intel CPUs, else
+    avx512_linear_f32's where it runs and the shape fits, else oneDNN's."""
 
     def __init__(self) -> None:
         self._key: tuple[int, int] | None = None
         self._packed: torch.Tensor | None = None
-        # The decode kernel of the bf16 pairs layout (amx_linear or avx512_linear), or None.
+        # The kernel of the packed layout: for bf16 decodes amx_linear or
+        # avx512_linear, for float32 avx512_linear_f32; or None (oneDNN / MKL).
         self._kernel = None
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor,
@@ -101,6 +114,8 @@ class PackedWeight:
         if x.dtype == torch.float32 and FP32_MKL:
             rows = flat.shape[0]
             y = torch.ops.mkl._mkl_linear(flat, self._packed, weight, bias, rows)
+        elif self._kernel is avx512_linear_f32:
+            y = avx512_linear_f32.linear(flat, self._packed, weight.shape[0], bias)
         elif self._kernel is None:
             y = torch.ops.mkldnn._linear_pointwise(flat, self._packed, bias, "none", [], "")
         elif flat.shape[0] <= self._kernel.MAX_ROWS:
@@ -114,9 +129,15 @@ class PackedWeight:
         weight = weight.detach()
         self._kernel = None
         if weight.dtype == torch.float32:
-            # The row count is MKL's blocking hint: 512 serves decode and prefill alike.
-            self._packed = (torch.ops.mkl._mkl_reorder_linear_weight(weight, 512) if FP32_MKL
-                            else torch.ops.mkldnn._reorder_linear_weight(weight))
+            if FP32_MKL:
+                # The row count is MKL's blocking hint: 512 serves decode and prefill alike.
+                self._packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, 512)
+            elif (_f32_kernel() is not None and avx512_linear_f32.fits(weight)
+                  and (bias is None or bias.dtype == weight.dtype)):
+                self._kernel = avx512_linear_f32
+                self._packed = avx512_linear_f32.pack(weight)
+            else:
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(weight)
             return
         if amx_linear.fits(weight) and (bias is None or bias.dtype == weight.dtype):
             self._kernel = _decode_kernel()

@@ -148,19 +148,27 @@ def available() -> bool:
     return _lib() is not None
 
 
+def run_packed(fn, x: torch.Tensor, packed: torch.Tensor, out_features: int,
+               bias: torch.Tensor | None, name: str) -> torch.Tensor:
+    """``y = fn(y, y_stride, x, x_stride, packed, bias, rows, k, n)`` for a
+    2-D ``x``, the C signature the AVX-512 linear kernels share; ``y`` in
+    ``x``'s dtype. ValueError when the kernel refuses the shapes."""
+    rows, in_features = x.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if bias is not None:
+        bias = bias.contiguous()
+    y = torch.empty(rows, out_features, dtype=x.dtype)
+    rc = fn(y.data_ptr(), y.stride(0), x.data_ptr(), x.stride(0), packed.data_ptr(),
+            None if bias is None else bias.data_ptr(), rows, in_features, out_features)
+    if rc != 0:
+        raise ValueError(f"{name} cannot multiply {tuple(x.shape)} by a weight of "
+                         f"{out_features} outputs")
+    return y
+
+
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for 2-D bfloat16 ``x``, from
     ``pack(weight)``."""
-    rows, in_features = x.shape
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    y = torch.empty(rows, out_features, dtype=torch.bfloat16)
-    rc = _lib().avx512_linear_bf16(
-        y.data_ptr(), y.stride(0), x.data_ptr(), x.stride(0), packed.data_ptr(),
-        None if bias is None else bias.data_ptr(), rows, in_features, out_features,
-    )
-    if rc != 0:
-        raise ValueError(f"avx512_linear cannot multiply {tuple(x.shape)} by a weight of "
-                         f"{out_features} outputs")
-    return y
+    return run_packed(_lib().avx512_linear_bf16, x, packed, out_features, bias, "avx512_linear")

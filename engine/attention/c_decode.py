@@ -1,7 +1,8 @@
 """C source of the decode attention with its accumulators in registers.
 
 Part of cpu_attention.py's library (spliced in after the tiles of
-c_tiles.py, whose helpers it uses, where the compiler has AVX-512). A
+c_tiles.py, whose helpers it uses, where the compiler has AVX-512; with
+AVX2 alone, c_decode_avx2.py's decode takes its place). A
 decode is one query token: for one kv head its ``group`` query heads score
 the cached keys 16 at a time and sum the values in float32. The tile
 kernels serve any tile of up to 16 query rows, so their running sums live
@@ -19,6 +20,8 @@ registers.
   keys instead of 32. So outputs match ``attend_tile``'s up to float32
   rounding order.
 """
+
+from engine.attention import c_decode_avx2
 
 # (group, 32-element vectors per head) pairs specialised: the query rows'
 # accumulators must fit in the 32 vector registers with room to spare.
@@ -126,6 +129,8 @@ static void decode_fast(
 
 
 def source() -> str:
-    """The C text, with one specialised call per shape in ``DECODE_SHAPES``."""
+    """The C text, with one specialised call per shape in ``DECODE_SHAPES``
+    where the compiler has AVX-512, else c_decode_avx2.py's decode."""
     cases = " ".join(f"DECODE({g}, {np})" for g, np in DECODE_SHAPES)
-    return SOURCE.replace("DECODE_CASES", cases)
+    return ("#ifdef __AVX512F__\n" + SOURCE.replace("DECODE_CASES", cases)
+            + "#else\n" + c_decode_avx2.SOURCE + "#endif\n")

@@ -6,7 +6,7 @@ sequence's cached keys read in place through its block table, float32 or
 bfloat16 widened to float32, with an online softmax 32 keys at a time;
 ``attend_tile_bf16`` is the same walk with AVX512-BF16 dot products for the
 scores, 16 keys at a time, where the compiler has them (``HAVE_DPBF16``);
-the register-accumulator decodes of c_decode.py follow where it has AVX-512
+the decodes of c_decode.py follow where it has AVX-512 or AVX2 with FMA
 (``HAVE_FAST_DECODE``).
 cpu_attention.py adds the dispatcher (``paged_attention``) and ``store_kv``.
 Needs c_prelude.VECTOR_MATH before it.
@@ -175,9 +175,18 @@ static inline __attribute__((always_inline)) void attend_tile(
 #define HAVE_DPBF16 0
 #endif
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #define HAVE_FAST_DECODE 1
+
+/* The largest of v's lanes, by halves (exact, as a max is). */
+static inline float tree_max(vf v) {
+    v = vmax(v, SHUFFLE(v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+    v = vmax(v, SHUFFLE(v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+    v = vmax(v, SHUFFLE(v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+    v = vmax(v, SHUFFLE(v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+    return v[0];
+}
 
 /* v[0..15] -> one vector whose lane i is the sum of v[i]'s lanes: a tree of
    two-input shuffles that halves the vectors and their lanes at each level. */
@@ -235,7 +244,7 @@ static inline __attribute__((always_inline)) float softmax_step16(vf sc, vi keep
                                                                   float *l, vf *p)
 {
     sc = (vf)(((vi)sc & keep) | ((vi)splat(-INFINITY) & ~keep));
-    float mx = _mm512_reduce_max_ps(sc);
+    float mx = tree_max(sc);
     mx = mx > *m ? mx : *m;
     *p = (vf)((vi)vexp(sc - splat(mx)) & keep);
     float alpha = expf(*m - mx);
@@ -329,7 +338,7 @@ static inline __attribute__((always_inline)) void attend_tile_bf16(
 DECODE_SOURCE
 #else
 #define HAVE_FAST_DECODE 0
-#endif  /* __AVX512F__ */
+#endif  /* AVX-512, or AVX2 with FMA */
 """
 
 

@@ -17,7 +17,7 @@ accumulated chunk by chunk rather than over the whole row at once); the
 exponential is a polynomial of its own (within ~2 ulp of float32's).
 
 The tiles' C source is in c_tiles.py (decodes with their sums in registers:
-c_decode.py);
+c_decode.py, or c_decode_avx2.py on CPUs with AVX2 but no AVX-512);
 this module adds the dispatcher and the Python entry points.
 """
 
@@ -89,7 +89,8 @@ int paged_attention(
     for (int s = 0; all_decode && s < num_seqs; s++)
         all_decode = query_start_loc[s + 1] - query_start_loc[s] <= 1;
     /* Decodes of a specialised shape: one item per (sequence, kv head), its
-       running sums in registers (c_decode.py); bf16 only with AVX512-BF16. */
+       running sums in registers (c_decode.py; with AVX2 alone, any shape the
+       tiles take, c_decode_avx2.py); bf16 only with AVX512-BF16. */
     int fast_decode = 0;
 #if HAVE_FAST_DECODE
     fast_decode = (dtype == F32 || HAVE_DPBF16) && all_decode && nv % 2 == 0

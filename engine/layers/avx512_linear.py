@@ -151,7 +151,7 @@ def available() -> bool:
 def run_packed(fn, x: torch.Tensor, packed: torch.Tensor, out_features: int,
                bias: torch.Tensor | None, name: str) -> torch.Tensor:
     """``y = fn(y, y_stride, x, x_stride, packed, bias, rows, k, n)`` for a
-    2-D ``x``, the C signature the AVX-512 linear kernels share; ``y`` in
+    2-D ``x``, the C signature the bf16 and float32 linear kernels share; ``y`` in
     ``x``'s dtype. ValueError when the kernel refuses the shapes."""
     rows, in_features = x.shape
     if x.stride(-1) != 1:

@@ -25,11 +25,13 @@ copy, made on first use and again whenever the weight is replaced or written
   AMD EPYC (AVX-512) SmolLM2's matmuls took 146 ms a step at 64 rows with
   ``F.linear``, 176 with MKL's packed call and 93 with oneDNN's blocked
   layout (as vLLM's CPU backend uses); at one row 23 and 9 ms. Where the CPU
-  has AVX-512, avx512_linear_f32.py's kernel streams each weight once per
-  call instead, at every row count: on the same EPYC, with weights cold
-  from memory as in a step, 53-54 against 55-57 ms at 64 rows, 14 against
-  18 at one; with one layer's weights warm, 37 against 39 ms for a layer's
-  matmuls at 2048 rows (prefill). Elsewhere, oneDNN's layout.
+  has AVX-512 or AVX2 with FMA, fma_linear_f32.py's kernel streams each
+  weight once per call instead, at every row count: on the same EPYC, with
+  weights cold from memory as in a step, 53-54 against 55-57 ms at 64 rows,
+  14 against 18 at one; with one layer's weights warm, 37 against 39 ms for
+  a layer's matmuls at 2048 rows (prefill). On an AVX2-only EPYC, a step's
+  matmuls (with the LM head) 160-170 against 193-202 ms at 64 rows, 40-44
+  against 58-64 at one. Elsewhere, oneDNN's layout.
 
 Packed float32 calls block the sums differently from the unpacked one for
 some shapes and row counts, so an output may differ from ``F.linear``'s in
@@ -47,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.dtypes import cpu_is_intel
-from engine.layers import amx_linear, avx512_linear, avx512_linear_f32
+from engine.layers import amx_linear, avx512_linear, fma_linear_f32
 
 # Float32 calls with fewer rows keep F.linear where MKL packs (no faster there).
 MKL_MIN_ROWS = 3
@@ -91,8 +93,8 @@ def _decode_kernel():
 
 def _f32_kernel():
     """The float32 matmul this CPU runs from its own layout where MKL is not
-    used: avx512_linear_f32 with AVX-512, else None (oneDNN)."""
-    return avx512_linear_f32 if avx512_linear_f32.available() else None
+    used: fma_linear_f32 with AVX-512 or AVX2 and FMA, else None (oneDNN)."""
+    return fma_linear_f32 if fma_linear_f32.available() else None
 
 
 class PackedWeight:
@@ -100,13 +102,13 @@ class PackedWeight:
     bf16-pairs layout where a decode kernel runs and the shape fits, then
     decode-sized batches take that kernel and larger ones ``F.linear``; else
     oneDNN's blocked layout. float32: MKL's layout on Intel CPUs, else
-    avx512_linear_f32's where it runs and the shape fits, else oneDNN's."""
+    fma_linear_f32's where it runs and the shape fits, else oneDNN's."""
 
     def __init__(self) -> None:
         self._key: tuple[int, int] | None = None
         self._packed: torch.Tensor | None = None
         # The kernel of the packed layout: for bf16 decodes amx_linear or
-        # avx512_linear, for float32 avx512_linear_f32; or None (oneDNN / MKL).
+        # avx512_linear, for float32 fma_linear_f32; or None (oneDNN / MKL).
         self._kernel = None
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor,
@@ -124,8 +126,8 @@ class PackedWeight:
         if x.dtype == torch.float32 and FP32_MKL:
             rows = flat.shape[0]
             y = torch.ops.mkl._mkl_linear(flat, self._packed, weight, bias, rows)
-        elif self._kernel is avx512_linear_f32:
-            y = avx512_linear_f32.linear(flat, self._packed, weight.shape[0], bias)
+        elif self._kernel is fma_linear_f32:
+            y = fma_linear_f32.linear(flat, self._packed, weight.shape[0], bias)
         elif self._kernel is None:
             y = torch.ops.mkldnn._linear_pointwise(flat, self._packed, bias, "none", [], "")
         elif flat.shape[0] <= self._kernel.MAX_ROWS:
@@ -142,10 +144,10 @@ class PackedWeight:
             if FP32_MKL:
                 # The row count is MKL's blocking hint: 512 serves decode and prefill alike.
                 self._packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, 512)
-            elif (_f32_kernel() is not None and avx512_linear_f32.fits(weight)
+            elif (_f32_kernel() is not None and fma_linear_f32.fits(weight)
                   and (bias is None or bias.dtype == weight.dtype)):
-                self._kernel = avx512_linear_f32
-                self._packed = avx512_linear_f32.pack(weight)
+                self._kernel = fma_linear_f32
+                self._packed = fma_linear_f32.pack(weight)
             else:
                 self._packed = torch.ops.mkldnn._reorder_linear_weight(weight)
             return

@@ -1,25 +1,30 @@
-"""float32 linear layers for decode-sized batches with AVX-512 FMA.
+"""float32 linear layers with FMA vectors (AVX-512, or AVX2 with FMA).
 
 A decode step streams every weight of the model past a few dozen rows.
 oneDNN's float32 matmul (``packed.py``) blocks those rows for reuse and,
 on 64 rows of SmolLM2, spends about as long re-reading and re-blocking as
 multiplying. This kernel streams each weight byte from memory once per
 step: the weight is packed so that each 16 outputs are one run of ``K``
-64-byte vectors (``w[n0:n0 + 16, k]`` for k = 0, 1, ...), and a register
-block of ``nr`` such groups times 6 rows accumulates with one FMA per
-(row, group, k), the row's input broadcast from memory. The row blocks of
+64-byte rows (``w[n0:n0 + 16, k]`` for k = 0, 1, ...), and a register block
+of 6 rows times ``nr`` such groups accumulates with one FMA per (row, vector
+of outputs, k), the row's input broadcast from memory. The row blocks of
 one output group re-read its panel (K x 16 nr floats) from L2. Prefill-
 sized batches are compute-bound, and there the same loop keeps level with
 oneDNN (packed.py has the numbers), so it serves every row count.
 
-The threads split the output groups; ``nr`` (2-4 groups of 16) is chosen
-per call so that the groups share out evenly over the threads that run
-(36 blocks of 16 outputs over two threads: 12 groups of 3, not 9 of 4).
+- AVX-512: a group of 16 outputs is one register; ``nr`` (2-4 groups) is
+  chosen per call so that the groups share out evenly over the threads
+  that run (36 blocks of 16 outputs over two threads: 12 groups of 3, not
+  9 of 4); 6 x 4 accumulators of the 32 registers.
+- AVX2 with FMA: a group is two 8-float registers and ``nr`` is 1: 6 x 2
+  accumulators, the two weight vectors and the broadcast fill 15 of the 16
+  registers (the classic 6 x 16 block).
 
 Each output is summed in input order (k = 0, 1, ...) in float32, a
 different order from MKL's and oneDNN's blocked sums, so outputs may
 differ from ``F.linear``'s in the last bits, as the oneDNN path already
-does. Only where the CPU has AVX-512 and the kernel builds (``available``).
+does. Only where the CPU has one of the two and the kernel builds
+(``available``).
 """
 
 from __future__ import annotations
@@ -38,32 +43,57 @@ _SOURCE = r"""
 #include <omp.h>
 
 #if defined(__AVX512F__)
+typedef __m512 V;
+#define VW 16
+#define NR 4
+#define VLOAD _mm512_loadu_ps
+#define VSTORE _mm512_storeu_ps
+#define VFMA _mm512_fmadd_ps
+#define VSET1 _mm512_set1_ps
+#define VZERO _mm512_setzero_ps
+#define VADD _mm512_add_ps
+#define BUILT 1
+#elif defined(__AVX2__) && defined(__FMA__)
+typedef __m256 V;
+#define VW 8
+#define NR 1
+#define VLOAD _mm256_loadu_ps
+#define VSTORE _mm256_storeu_ps
+#define VFMA _mm256_fmadd_ps
+#define VSET1 _mm256_set1_ps
+#define VZERO _mm256_setzero_ps
+#define VADD _mm256_add_ps
+#define BUILT 1
+#else
+#define BUILT 0
+#endif
 
-#define MR 6  /* rows per register block */
-#define NR 4  /* most 16-output groups per register block: MR * NR accumulators */
+#if BUILT
+#define MR 6          /* rows per register block */
+#define VG (16 / VW)  /* vectors per group of 16 outputs */
 
 /* y[0:mr, 0:16 nr] for one register block: `w` is the first of nr groups of
-   16 outputs, each `k_in` vectors. Inlined with constant mr and nr, so the
-   accumulators live in registers. */
+   16 outputs, each `k_in` rows of 16. Inlined with constant mr and nr, so
+   the accumulators live in registers. */
 static inline __attribute__((always_inline)) void block(
     float *y, int64_t y_stride, const float *x, int64_t x_stride, const float *w,
     const float *bias, int64_t k_in, const int mr, const int nr)
 {
-    __m512 acc[MR][NR];
+    V acc[MR][NR * VG];
     for (int m = 0; m < mr; m++)
-        for (int j = 0; j < nr; j++) acc[m][j] = _mm512_setzero_ps();
+        for (int j = 0; j < nr * VG; j++) acc[m][j] = VZERO();
     for (int64_t k = 0; k < k_in; k++) {
-        __m512 wv[NR];
-        for (int j = 0; j < nr; j++) wv[j] = _mm512_loadu_ps(w + (j * k_in + k) * 16);
+        V wv[NR * VG];
+        for (int j = 0; j < nr; j++)
+            for (int h = 0; h < VG; h++) wv[j * VG + h] = VLOAD(w + (j * k_in + k) * 16 + h * VW);
         for (int m = 0; m < mr; m++) {
-            __m512 xv = _mm512_set1_ps(x[m * x_stride + k]);
-            for (int j = 0; j < nr; j++) acc[m][j] = _mm512_fmadd_ps(xv, wv[j], acc[m][j]);
+            V xv = VSET1(x[m * x_stride + k]);
+            for (int j = 0; j < nr * VG; j++) acc[m][j] = VFMA(xv, wv[j], acc[m][j]);
         }
     }
-    for (int j = 0; j < nr; j++) {
-        __m512 bv = bias ? _mm512_loadu_ps(bias + j * 16) : _mm512_setzero_ps();
-        for (int m = 0; m < mr; m++)
-            _mm512_storeu_ps(y + m * y_stride + j * 16, _mm512_add_ps(acc[m][j], bv));
+    for (int j = 0; j < nr * VG; j++) {
+        V bv = bias ? VLOAD(bias + j * VW) : VZERO();
+        for (int m = 0; m < mr; m++) VSTORE(y + m * y_stride + j * VW, VADD(acc[m][j], bv));
     }
 }
 
@@ -80,17 +110,21 @@ static inline __attribute__((always_inline)) void block(
 static void dispatch(float *y, int64_t y_stride, const float *x, int64_t x_stride,
                      const float *w, const float *bias, int64_t k_in, int mr, int nr)
 {
+#if NR == 1
+    ROWS_CASE(1)
+#else
     switch (nr) {
     case 1: ROWS_CASE(1) break;
     case 2: ROWS_CASE(2) break;
     case 3: ROWS_CASE(3) break;
     default: ROWS_CASE(4) break;
     }
+#endif
 }
 
-/* The groups of 16 outputs per register block (2-4) that share `blocks`
-   out most evenly over `threads`: the fewest blocks on the busiest thread,
-   then the widest group. */
+/* The groups of 16 outputs per register block (2 to NR; 1 where NR is 1)
+   that share `blocks` out most evenly over `threads`: the fewest blocks on
+   the busiest thread, then the widest group. */
 static int group_width(int64_t blocks, int threads)
 {
     int best = NR;
@@ -106,9 +140,9 @@ static int group_width(int64_t blocks, int threads)
 /* y[m, n] = sum_k x[m, k] w[n, k] + bias[n] for m < rows, n < n_out, from
    the packed layout (see the module docstring). x rows are `x_stride`
    floats apart, y rows `y_stride`. */
-int avx512_linear_f32(float *y, int64_t y_stride, const float *x, int64_t x_stride,
-                      const float *packed, const float *bias, int64_t rows,
-                      int64_t k_in, int64_t n_out)
+int linear_f32(float *y, int64_t y_stride, const float *x, int64_t x_stride,
+               const float *packed, const float *bias, int64_t rows,
+               int64_t k_in, int64_t n_out)
 {
     if (n_out % 16 || rows <= 0 || k_in <= 0) return -1;
     const int64_t blocks = n_out / 16;
@@ -132,20 +166,13 @@ int avx512_linear_f32(float *y, int64_t y_stride, const float *x, int64_t x_stri
     return 0;
 }
 #else
-int avx512_linear_f32(float *y, int64_t y_stride, const float *x, int64_t x_stride,
-                      const float *packed, const float *bias, int64_t rows,
-                      int64_t k_in, int64_t n_out) { return -1; }
+int linear_f32(float *y, int64_t y_stride, const float *x, int64_t x_stride,
+               const float *packed, const float *bias, int64_t rows,
+               int64_t k_in, int64_t n_out) { return -1; }
 #endif
 
-/* 1 where the kernel was compiled in (the compiler saw AVX-512F). */
-int avx512_f32_built(void)
-{
-#if defined(__AVX512F__)
-    return 1;
-#else
-    return 0;
-#endif
-}
+/* 1 where the kernel was compiled in (the compiler saw AVX-512F, or AVX2 and FMA). */
+int linear_f32_built(void) { return BUILT; }
 """
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
@@ -153,10 +180,10 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 @functools.cache
 def _lib():
-    lib = cbuild.load("avx512_linear_f32", _SOURCE)
-    if lib is None or not lib.avx512_f32_built():
+    lib = cbuild.load("fma_linear_f32", _SOURCE)
+    if lib is None or not lib.linear_f32_built():
         return None
-    fn = lib.avx512_linear_f32
+    fn = lib.linear_f32
     fn.restype = ctypes.c_int
     fn.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64]
     return lib
@@ -175,7 +202,7 @@ def fits(weight: torch.Tensor) -> bool:
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` [N, K] as N / 16 runs of K vectors of 16 outputs: [N / 16, K, 16]."""
     if not fits(weight):
-        raise ValueError(f"avx512_linear_f32 packs 2-D float32 weights with a multiple of 16 "
+        raise ValueError(f"fma_linear_f32 packs 2-D float32 weights with a multiple of 16 "
                          f"outputs, not {weight.dtype} {tuple(weight.shape)}")
     n, k = weight.shape
     return weight.detach().reshape(n // 16, 16, k).transpose(1, 2).contiguous()
@@ -184,5 +211,4 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for 2-D float32 ``x``, from ``pack(weight)``."""
-    return run_packed(_lib().avx512_linear_f32, x, packed, out_features, bias,
-                      "avx512_linear_f32")
+    return run_packed(_lib().linear_f32, x, packed, out_features, bias, "fma_linear_f32")

@@ -25,6 +25,44 @@ from engine.attention import cbuild
 from engine.attention.c_prelude import VECTOR_MATH
 
 _SOURCE = VECTOR_MATH + r"""
+/* 8-float halves of the 16-lane vectors. NOTE: a loop-carried sum is kept in
+   two of these, not in one 16-float vf: where the CPU has no 64-byte
+   registers (AVX2), GCC keeps such a vf in memory and moves it through
+   general registers every iteration (a 64 x 576 float32 RMSNorm took 63 us,
+   most of it stalled on that). The lanes and their order are the same. */
+typedef float vf8 __attribute__((vector_size(32)));
+typedef uint32_t vu8 __attribute__((vector_size(32)));
+typedef uint16_t vh8 __attribute__((vector_size(16)));
+
+VINLINE vf8 load8(const void *p, int bf16) {
+    vf8 v;
+    if (bf16) {
+        vh8 h;
+        memcpy(&h, p, sizeof h);
+        vu8 u = __builtin_convertvector(h, vu8) << 16;
+        memcpy(&v, &u, sizeof v);
+    } else {
+        memcpy(&v, p, sizeof v);
+    }
+    return v;
+}
+
+/* The squares of row[0:vcols] (vcols a multiple of 16) summed in 16 lanes,
+   then across the lanes in order. */
+VINLINE float sum_squares16(const void *row, int64_t vcols, int bf16) {
+    const int esz = bf16 ? 2 : 4;
+    vf8 lo = {0}, hi = {0};
+    for (int64_t j = 0; j < vcols; j += 16) {
+        vf8 a = load8((const char *)row + j * esz, bf16);
+        vf8 b = load8((const char *)row + (j + 8) * esz, bf16);
+        lo += a * a;
+        hi += b * b;
+    }
+    float sum = 0.f;
+    for (int l = 0; l < 8; l++) sum += lo[l];
+    for (int l = 0; l < 8; l++) sum += hi[l];
+    return sum;
+}
 /* res_out = bf16(x + res) (or x); out = bf16(w * bf16(r * rsqrt(mean(r^2) + eps))).
    16 columns at a time; the squares are summed in 16 lanes, then across them. */
 void rms_norm_bf16(uint16_t *out, uint16_t *res_out, const uint16_t *x, const uint16_t *res,
@@ -44,13 +82,7 @@ void rms_norm_bf16(uint16_t *out, uint16_t *res_out, const uint16_t *x, const ui
         } else {
             memcpy(ri, xi, cols * sizeof(uint16_t));
         }
-        vf acc = splat(0.f);
-        for (int64_t j = 0; j < vcols; j += 16) {
-            vf v = bf16_load16(ri + j);
-            acc += v * v;
-        }
-        float sum = 0.f;
-        for (int l = 0; l < 16; l++) sum += acc[l];
+        float sum = sum_squares16(ri, vcols, 1);
         for (int64_t j = vcols; j < cols; j++) sum += bf16_in(ri[j]) * bf16_in(ri[j]);
         float r = 1.f / sqrtf(sum / (float)cols + eps);
         for (int64_t j = 0; j < vcols; j += 16)
@@ -69,7 +101,7 @@ static inline float silu_scalar(float g) {
 #include <immintrin.h>
 /* silu(g) = g / (1 + exp(-g)) for 16 lanes: the exponential as vexp's
    (2^n e^r, degree-6 polynomial) with fused multiply-adds. */
-static inline vf silu16(vf g) {
+VINLINE vf silu16(vf g) {
     __m512 x = _mm512_max_ps(_mm512_min_ps(-g, splat(88.f)), splat(-87.f));
     __m512 n = _mm512_roundscale_ps(x * splat(1.44269504f), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, splat(0.693145752f), x);
@@ -84,7 +116,7 @@ static inline vf silu16(vf g) {
     return g / (_mm512_scalef_ps(p, n) + splat(1.f));
 }
 #else
-static inline vf silu16(vf g) { return g / (splat(1.f) + vexp(-g)); }
+VINLINE vf silu16(vf g) { return g / (splat(1.f) + vexp(-g)); }
 #endif
 
 void silu_mul_bf16(uint16_t *out, const uint16_t *x, int64_t rows, int64_t inner,
@@ -103,8 +135,8 @@ void silu_mul_bf16(uint16_t *out, const uint16_t *x, int64_t rows, int64_t inner
 }
 
 /* Float32: the same passes with no rounding to bfloat16 between them. */
-static inline vf f32_load16(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
-static inline void f32_store16(float *p, vf v) { memcpy(p, &v, sizeof v); }
+VINLINE vf f32_load16(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
+VINLINE void f32_store16(float *p, vf v) { memcpy(p, &v, sizeof v); }
 
 void rms_norm_f32(float *out, float *res_out, const float *x, const float *res,
                   const float *weight, int64_t rows, int64_t cols, int64_t x_stride,
@@ -121,13 +153,7 @@ void rms_norm_f32(float *out, float *res_out, const float *x, const float *res,
         } else {
             memcpy(ri, xi, cols * sizeof(float));
         }
-        vf acc = splat(0.f);
-        for (int64_t j = 0; j < vcols; j += 16) {
-            vf v = f32_load16(ri + j);
-            acc += v * v;
-        }
-        float sum = 0.f;
-        for (int l = 0; l < 16; l++) sum += acc[l];
+        float sum = sum_squares16(ri, vcols, 0);
         for (int64_t j = vcols; j < cols; j++) sum += ri[j] * ri[j];
         float r = 1.f / sqrtf(sum / (float)cols + eps);
         for (int64_t j = 0; j < vcols; j += 16)

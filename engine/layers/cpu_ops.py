@@ -115,6 +115,40 @@ VINLINE vf silu16(vf g) {
     p = _mm512_fmadd_ps(p, r, splat(1.f));
     return g / (_mm512_scalef_ps(p, n) + splat(1.f));
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HAVE_SILU8 1
+/* silu16's steps for 8 lanes with AVX2 (2^n as exponent bits: n is an
+   integer in [-126, 127], so the product is scalef's, bit for bit). The
+   float32 kernel calls it on 8-float registers: a 16-float vf lives in
+   memory on this CPU. */
+VINLINE __m256 silu8(__m256 g) {
+    const __m256 one = _mm256_set1_ps(1.f);
+    __m256 x = _mm256_max_ps(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), g),
+                                           _mm256_set1_ps(88.f)), _mm256_set1_ps(-87.f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
+    __m256 p = _mm256_set1_ps(1.f / 720);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, one);
+    p = _mm256_fmadd_ps(p, r, one);
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_div_ps(g, _mm256_add_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), one));
+}
+
+VINLINE vf silu16(vf g) {
+    __m256 h[2];
+    memcpy(h, &g, sizeof g);
+    h[0] = silu8(h[0]);
+    h[1] = silu8(h[1]);
+    memcpy(&g, h, sizeof g);
+    return g;
+}
 #else
 VINLINE vf silu16(vf g) { return g / (splat(1.f) + vexp(-g)); }
 #endif
@@ -169,8 +203,14 @@ void silu_mul_f32(float *out, const float *x, int64_t rows, int64_t inner, int64
     for (int64_t i = 0; i < rows; i++) {
         const float *gate = x + i * x_stride, *up = gate + inner;
         float *o = out + i * inner;
+#ifdef HAVE_SILU8
+        for (int64_t j = 0; j < vinner; j += 8)
+            _mm256_storeu_ps(o + j, _mm256_mul_ps(silu8(_mm256_loadu_ps(gate + j)),
+                                                  _mm256_loadu_ps(up + j)));
+#else
         for (int64_t j = 0; j < vinner; j += 16)
             f32_store16(o + j, silu16(f32_load16(gate + j)) * f32_load16(up + j));
+#endif
         for (int64_t j = vinner; j < inner; j++) o[j] = silu_scalar(gate[j]) * up[j];
     }
 }

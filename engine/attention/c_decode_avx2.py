@@ -1,9 +1,11 @@
-"""C source of the float32 decode attention for CPUs with AVX2 but no AVX-512.
+"""C source of the float32 attention tiles for CPUs with AVX2 but no AVX-512.
 
 Spliced in by c_decode.py in place of its register-accumulator decode where
-the compiler has AVX2 and FMA but not AVX-512. The generic tiles of
-c_tiles.py work on 16-float vectors, which AVX2 holds in two registers, and
-sum each key's score horizontally, a chain of cross-lane shuffles per key;
+the compiler has AVX2 and FMA but not AVX-512, and used for every float32
+tile there, decodes and prompts alike (``tile_fast``; ``HAVE_FAST_TILES``).
+The generic tiles of c_tiles.py work on 16-float vectors, which GCC keeps
+in memory on AVX2 (there are no 64-byte registers), and sum each key's
+score horizontally, a chain of cross-lane shuffles per key;
 the register-accumulator decode keeps ``group x head_dim`` floats of sums
 live, twice what AVX2's sixteen 8-float registers hold. So here:
 
@@ -13,7 +15,8 @@ live, twice what AVX2's sixteen 8-float registers hold. So here:
 - the online softmax is c_tiles.py's, over 16 keys (two such groups);
 - the weighted sum of values runs slice by slice of the head: up to 6 query
   rows' sums of one 8-float slice stay in registers while every value row
-  of the chunk passes once, then go back to a small array in L1.
+  of the chunk passes once, then go back to a small array in L1;
+- a tile's later tokens see more keys: each row masks the keys past its own.
 
 Float32 only (an AVX2 host runs float32 by default); bfloat16 keeps the
 generic tiles. Each score is summed in another order than the tiles' and the
@@ -21,6 +24,8 @@ AVX-512 decode's, so outputs match theirs up to float32 rounding.
 """
 
 SOURCE = r"""
+#define HAVE_FAST_TILES 1
+
 /* s[i] = the sum of a[i]'s 8 lanes, for the 8 vectors a[0..7]. */
 static inline __m256 reduce8(const __m256 *a)
 {
@@ -59,34 +64,41 @@ static int decode_shape(int group, int np)
     return group >= 1 && group <= MAX_ROWS && np >= 1 && 2 * np <= MAX_VECS;
 }
 
-/* Query token t's `group` heads of kv head g against its `ctx` cached keys,
-   float32 (the caller passes only F32 here: HAVE_DPBF16 is 0). */
-static void decode_fast(
+/* A tile of `nt` consecutive query tokens of one sequence from t0 (token
+   t0 + i sees ctx0 + i keys), for the `group` query heads of kv head g:
+   row r is token r / group, head r % group; float32. */
+static void tile_fast(
     void *out, int64_t os0, int64_t os1, const void *query, int64_t qs0, int64_t qs1,
     const char *k_cache, const char *v_cache, int64_t cs0, int64_t cs1, int64_t cs2,
-    const int32_t *table, int64_t t, int ctx, int g, int group, int np, int block_size,
-    float scale, int dtype)
+    const int32_t *table, int64_t t0, int nt, int ctx0, int g, int group, int np,
+    int block_size, float scale)
 {
-    (void)dtype;
-    const int n8 = 4 * np, head_dim = 32 * np;  /* 8-float slices per head */
+    const int n8 = 4 * np, head_dim = 32 * np, rows = nt * group;  /* n8: 8-float slices */
     float acc[MAX_ROWS][MAX_VECS * W] __attribute__((aligned(32)));
     float pr[MAX_ROWS][16] __attribute__((aligned(64))), m[MAX_ROWS], l[MAX_ROWS];
     float alpha[MAX_ROWS];
     const float *q[MAX_ROWS];
     const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    for (int r = 0; r < group; r++) {
-        q[r] = (const float *)query + t * qs0 + ((int64_t)g * group + r) * qs1;
+    for (int r = 0; r < rows; r++) {
+        q[r] = (const float *)query + (t0 + r / group) * qs0 + ((int64_t)g * group + r % group) * qs1;
         memset(acc[r], 0, sizeof(float) * head_dim);
         m[r] = -INFINITY;
         l[r] = 0.f;
     }
-    for (int c0 = 0; c0 < ctx; c0 += 16) {
-        int n = ctx - c0 < 16 ? ctx - c0 : 16;
+    const int ctx_max = ctx0 + nt - 1;
+    for (int c0 = 0; c0 < ctx_max; c0 += 16) {
+        int n = ctx_max - c0 < 16 ? ctx_max - c0 : 16;
         const char *krow[16], *vrow[16];
         chunk_rows(krow, vrow, k_cache, v_cache, table, block_size, cs0, cs1, cs2, g, c0, n,
-                   ctx, head_dim * 4, 4);
-        vi keep = lane < n;
-        for (int r = 0; r < group; r++) {
+                   ctx_max, head_dim * 4, 4);
+        for (int r = 0; r < rows; r++) {
+            int valid = ctx0 + r / group - c0;  /* keys of this chunk row r sees */
+            valid = valid < 0 ? 0 : valid < n ? valid : n;
+            if (valid == 0) {  /* a later token's key: nothing to add, nothing to rescale */
+                memset(pr[r], 0, sizeof pr[r]);
+                alpha[r] = 1.f;
+                continue;
+            }
             __m256 s[2];
             for (int half = 0; half < 2; half++) {
                 __m256 a[8];
@@ -100,11 +112,11 @@ static void decode_fast(
             }
             vf sc, p;
             memcpy(&sc, s, sizeof sc);
-            alpha[r] = softmax_step16(sc * splat(scale), keep, &m[r], &l[r], &p);
+            alpha[r] = softmax_step16(sc * splat(scale), lane < valid, &m[r], &l[r], &p);
             memcpy(pr[r], &p, sizeof p);
         }
-        for (int r0 = 0; r0 < group; r0 += 6) {
-            switch (group - r0 < 6 ? group - r0 : 6) {
+        for (int r0 = 0; r0 < rows; r0 += 6) {
+            switch (rows - r0 < 6 ? rows - r0 : 6) {
             case 1: weigh_values(acc, pr, alpha, vrow, n, n8, r0, 1); break;
             case 2: weigh_values(acc, pr, alpha, vrow, n, n8, r0, 2); break;
             case 3: weigh_values(acc, pr, alpha, vrow, n, n8, r0, 3); break;
@@ -114,11 +126,25 @@ static void decode_fast(
             }
         }
     }
-    for (int r = 0; r < group; r++) {
-        float *o = (float *)((char *)out + (t * os0 + ((int64_t)g * group + r) * os1) * 4);
+    for (int r = 0; r < rows; r++) {
+        float *o = (float *)((char *)out + ((t0 + r / group) * os0
+                                            + ((int64_t)g * group + r % group) * os1) * 4);
         __m256 inv = _mm256_set1_ps(l[r] > 0.f ? 1.f / l[r] : 0.f);
         for (int j = 0; j < n8; j++)
             _mm256_storeu_ps(o + 8 * j, _mm256_mul_ps(_mm256_load_ps(acc[r] + 8 * j), inv));
     }
+}
+
+/* Query token t's `group` heads of kv head g against its `ctx` cached keys:
+   a tile of one token (the caller passes only F32 here: HAVE_DPBF16 is 0). */
+static void decode_fast(
+    void *out, int64_t os0, int64_t os1, const void *query, int64_t qs0, int64_t qs1,
+    const char *k_cache, const char *v_cache, int64_t cs0, int64_t cs1, int64_t cs2,
+    const int32_t *table, int64_t t, int ctx, int g, int group, int np, int block_size,
+    float scale, int dtype)
+{
+    (void)dtype;
+    tile_fast(out, os0, os1, query, qs0, qs1, k_cache, v_cache, cs0, cs1, cs2, table, t, 1, ctx,
+              g, group, np, block_size, scale);
 }
 """

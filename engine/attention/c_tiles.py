@@ -339,6 +339,9 @@ DECODE_SOURCE
 #else
 #define HAVE_FAST_DECODE 0
 #endif  /* AVX-512, or AVX2 with FMA */
+#ifndef HAVE_FAST_TILES  /* float32 tiles of c_decode_avx2.py (AVX2 without AVX-512) */
+#define HAVE_FAST_TILES 0
+#endif
 """
 
 

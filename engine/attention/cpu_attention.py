@@ -96,6 +96,11 @@ int paged_attention(
     fast_decode = (dtype == F32 || HAVE_DPBF16) && all_decode && nv % 2 == 0
         && decode_shape(group, nv / 2);
 #endif
+    /* Every float32 tile, prompts too, where c_decode_avx2.py serves them. */
+    int fast_tiles = 0;
+#if HAVE_FAST_TILES
+    fast_tiles = dtype == F32 && nv % 2 == 0 && decode_shape(group, nv / 2);
+#endif
     int hk = 1;
     if (fast_decode && num_tiles >= 8 * omp_get_max_threads()) hk = num_kv_heads;
     if (all_decode && !fast_decode && num_tiles >= 8 * omp_get_max_threads())
@@ -110,6 +115,15 @@ int paged_attention(
         int nt = end - t0 < tile ? end - t0 : tile;
         int ctx0 = seq_lens[s] - q_len + (t0 - query_start_loc[s]) + 1;
         const int32_t *table = block_tables + s * bts0;
+#if HAVE_FAST_TILES
+        if (fast_tiles) {
+            for (int h = g; h < g + hk; h++)
+                tile_fast(out, os0, os1, query, qs0, qs1, (const char *)k_cache,
+                          (const char *)v_cache, cs0, cs1, cs2, table, t0, nt, ctx0, h, group,
+                          nv / 2, block_size, scale);
+            continue;
+        }
+#endif
 #if HAVE_FAST_DECODE
         if (fast_decode) {
             for (int h = g; h < g + hk; h++)

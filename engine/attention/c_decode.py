@@ -2,7 +2,7 @@
 
 Part of cpu_attention.py's library (spliced in after the tiles of
 c_tiles.py, whose helpers it uses, where the compiler has AVX-512; with
-AVX2 alone, c_decode_avx2.py's decode takes its place). A
+AVX2 alone, c_decode_avx2.py's tiles take its place). A
 decode is one query token: for one kv head its ``group`` query heads score
 the cached keys 16 at a time and sum the values in float32. The tile
 kernels serve any tile of up to 16 query rows, so their running sums live

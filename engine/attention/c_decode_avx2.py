@@ -57,8 +57,8 @@ static inline __attribute__((always_inline)) void weigh_values(
     }
 }
 
-/* Every (group, np) this decode takes: any the tiles take (np = 32-element
-   vectors per head). */
+/* Every (group, np) tile_fast takes: any the generic tiles take (np =
+   32-element vectors per head). The dispatcher reads it as c_decode.py's. */
 static int decode_shape(int group, int np)
 {
     return group >= 1 && group <= MAX_ROWS && np >= 1 && 2 * np <= MAX_VECS;
@@ -133,18 +133,5 @@ static void tile_fast(
         for (int j = 0; j < n8; j++)
             _mm256_storeu_ps(o + 8 * j, _mm256_mul_ps(_mm256_load_ps(acc[r] + 8 * j), inv));
     }
-}
-
-/* Query token t's `group` heads of kv head g against its `ctx` cached keys:
-   a tile of one token (the caller passes only F32 here: HAVE_DPBF16 is 0). */
-static void decode_fast(
-    void *out, int64_t os0, int64_t os1, const void *query, int64_t qs0, int64_t qs1,
-    const char *k_cache, const char *v_cache, int64_t cs0, int64_t cs1, int64_t cs2,
-    const int32_t *table, int64_t t, int ctx, int g, int group, int np, int block_size,
-    float scale, int dtype)
-{
-    (void)dtype;
-    tile_fast(out, os0, os1, query, qs0, qs1, k_cache, v_cache, cs0, cs1, cs2, table, t, 1, ctx,
-              g, group, np, block_size, scale);
 }
 """

@@ -90,7 +90,8 @@ int paged_attention(
         all_decode = query_start_loc[s + 1] - query_start_loc[s] <= 1;
     /* Decodes of a specialised shape: one item per (sequence, kv head), its
        running sums in registers (c_decode.py; with AVX2 alone, any shape the
-       tiles take, c_decode_avx2.py); bf16 only with AVX512-BF16. */
+       tiles take, run by c_decode_avx2.py's tile_fast below); bf16 only with
+       AVX512-BF16. */
     int fast_decode = 0;
 #if HAVE_FAST_DECODE
     fast_decode = (dtype == F32 || HAVE_DPBF16) && all_decode && nv % 2 == 0
@@ -124,7 +125,7 @@ int paged_attention(
             continue;
         }
 #endif
-#if HAVE_FAST_DECODE
+#if HAVE_FAST_DECODE && !HAVE_FAST_TILES
         if (fast_decode) {
             for (int h = g; h < g + hk; h++)
             decode_fast(out, os0, os1, query, qs0, qs1, (const char *)k_cache,

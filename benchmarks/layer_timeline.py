@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import sys
 import tempfile
@@ -28,6 +27,7 @@ from engine.sampling_params import SamplingParams  # noqa: E402
 from rpc.convert import params_to_proto  # noqa: E402
 from rpc.pool import ChannelPool  # noqa: E402
 from rpc.protos import worker_pb2, worker_pb2_grpc  # noqa: E402
+from rpc.tracing import read_trace_file  # noqa: E402
 from tandem.cluster import LocalCluster  # noqa: E402
 
 
@@ -69,7 +69,7 @@ def main() -> None:
                 prompt = [rng.randrange(100, vocab) for _ in range(args.prompt_len)]
                 asyncio.run(one(prefill.address, decode.address, rid, prompt, params))
             time.sleep(1.0)  # the exporters write finished spans as they end
-        spans = [json.loads(line) for line in trace.read_text().splitlines() if line.strip()]
+        spans = read_trace_file(trace)
     send = next(s for s in spans if s["name"] == "kv_transfer.send"
                 and s["attributes"].get("request_id") == "measured")
     mine = [s for s in spans if s["trace_id"] == send["trace_id"]]

@@ -16,7 +16,6 @@ Every process writes its spans to one file (TANDEM_TRACE_FILE).
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 import time
 
@@ -25,6 +24,7 @@ from gateway_fixtures import SERVED, info, start_gateway, tiny_model, wait_until
 from worker_fixtures import start_worker
 
 from engine.sampling_params import SamplingParams
+from rpc.tracing import read_trace_file
 from tandem.cluster import LocalCluster
 
 NUM_BLOCKS = 64
@@ -138,17 +138,11 @@ def no_leaks(setup):
     assert (state.free_blocks, state.num_running, state.num_waiting) == (NUM_BLOCKS, 0, 0)
 
 
-def _spans(path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def _trace_of(trace_file, request_id: str) -> list[dict]:
     """The spans of the request's trace, once its gateway side has ended."""
 
     def find():
-        spans = _spans(trace_file)
+        spans = read_trace_file(trace_file)
         root = [s for s in spans if s["name"] == "gateway.route_and_stream"
                 and s["attributes"].get("request_id") == request_id]
         if not root:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import json
 import signal
 
 import grpc
@@ -31,6 +30,7 @@ from gateway_fixtures import (
 )
 from worker_fixtures import Gateway, metric, params, scrape, start_worker
 
+from rpc.tracing import read_trace_file
 from tandem.cluster import LocalCluster
 
 pytest.importorskip("mooncake.engine", reason="the mooncake wheel or its RDMA libraries "
@@ -177,8 +177,7 @@ async def test_layer_writes_follow_the_chunks_in_the_trace(workers, by_layer, tr
     assert out.token_ids == local.token_ids and len(out.token_ids) == 6
 
     def named(name: str) -> list[dict]:
-        lines = trace_file.read_text().splitlines() if trace_file.exists() else []
-        return [s for s in map(json.loads, lines) if s["name"] == name]
+        return [s for s in read_trace_file(trace_file) if s["name"] == name]
 
     def send() -> dict | None:
         return next((s for s in named("kv_transfer.send")

@@ -57,10 +57,13 @@ static inline float hsum(vf v) {
     return v[0];
 }
 
+/* The largest of v's lanes, by halves as hsum (exact, as any max is). */
 static inline float hmax(vf v) {
-    float m = v[0];
-    for (int i = 1; i < W; i++) m = v[i] > m ? v[i] : m;
-    return m;
+    v = vmax(v, SHUFFLE(v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+    v = vmax(v, SHUFFLE(v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+    v = vmax(v, SHUFFLE(v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+    v = vmax(v, SHUFFLE(v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+    return v[0];
 }
 
 /* A tile of `nt` consecutive query tokens of one sequence (starting at
@@ -179,15 +182,6 @@ static inline __attribute__((always_inline)) void attend_tile(
 #include <immintrin.h>
 #define HAVE_FAST_DECODE 1
 
-/* The largest of v's lanes, by halves (exact, as a max is). */
-static inline float tree_max(vf v) {
-    v = vmax(v, SHUFFLE(v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
-    v = vmax(v, SHUFFLE(v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
-    v = vmax(v, SHUFFLE(v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
-    v = vmax(v, SHUFFLE(v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
-    return v[0];
-}
-
 /* v[0..15] -> one vector whose lane i is the sum of v[i]'s lanes: a tree of
    two-input shuffles that halves the vectors and their lanes at each level. */
 static inline vf reduce16(vf *v) {
@@ -244,7 +238,7 @@ static inline __attribute__((always_inline)) float softmax_step16(vf sc, vi keep
                                                                   float *l, vf *p)
 {
     sc = (vf)(((vi)sc & keep) | ((vi)splat(-INFINITY) & ~keep));
-    float mx = tree_max(sc);
+    float mx = hmax(sc);
     mx = mx > *m ? mx : *m;
     *p = (vf)((vi)vexp(sc - splat(mx)) & keep);
     float alpha = expf(*m - mx);

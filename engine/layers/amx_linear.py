@@ -19,12 +19,11 @@ avx512_linear.py's kernel (the same layout) or oneDNN, and larger batches
 
 from __future__ import annotations
 
-import ctypes
 import functools
 
 import torch
 
-from engine.attention import cbuild
+from engine.layers import linear_abi
 
 # Rows at or below which PackedWeight takes this kernel.
 MAX_ROWS = 128
@@ -127,18 +126,10 @@ int amx_linear_bf16(uint16_t *y, int64_t y_stride, const uint16_t *x, int64_t x_
 #endif
 """
 
-_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
-
-
 @functools.cache
 def _lib():
-    lib = cbuild.load("amx_linear", _SOURCE)
-    if lib is None or lib.amx_request() != 0:
-        return None
-    fn = lib.amx_linear_bf16
-    fn.restype = ctypes.c_int
-    fn.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64]
-    return lib
+    return linear_abi.load("amx_linear", _SOURCE, "amx_linear_bf16",
+                           lambda lib: lib.amx_request() == 0)
 
 
 def available() -> bool:

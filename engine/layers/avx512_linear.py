@@ -18,13 +18,12 @@ where the CPU has AVX512-BF16 and the kernel builds (``available``).
 
 from __future__ import annotations
 
-import ctypes
 import functools
 
 import torch
 
-from engine.attention import cbuild
 from engine.attention.c_prelude import VECTOR_MATH
+from engine.layers import linear_abi
 from engine.layers.amx_linear import fits, pack  # noqa: F401  (the same weight layout)
 
 # Rows at or below which PackedWeight takes this kernel.
@@ -129,18 +128,10 @@ int avx512_bf16_built(void)
 }
 """
 
-_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
-
-
 @functools.cache
 def _lib():
-    lib = cbuild.load("avx512_linear", _SOURCE)
-    if lib is None or not lib.avx512_bf16_built():
-        return None
-    fn = lib.avx512_linear_bf16
-    fn.restype = ctypes.c_int
-    fn.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64]
-    return lib
+    return linear_abi.load("avx512_linear", _SOURCE, "avx512_linear_bf16",
+                           lambda lib: lib.avx512_bf16_built())
 
 
 def available() -> bool:
@@ -148,27 +139,8 @@ def available() -> bool:
     return _lib() is not None
 
 
-def run_packed(fn, x: torch.Tensor, packed: torch.Tensor, out_features: int,
-               bias: torch.Tensor | None, name: str) -> torch.Tensor:
-    """``y = fn(y, y_stride, x, x_stride, packed, bias, rows, k, n)`` for a
-    2-D ``x``, the C signature the bf16 and float32 linear kernels share; ``y`` in
-    ``x``'s dtype. ValueError when the kernel refuses the shapes."""
-    rows, in_features = x.shape
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    if bias is not None:
-        bias = bias.contiguous()
-    y = torch.empty(rows, out_features, dtype=x.dtype)
-    rc = fn(y.data_ptr(), y.stride(0), x.data_ptr(), x.stride(0), packed.data_ptr(),
-            None if bias is None else bias.data_ptr(), rows, in_features, out_features)
-    if rc != 0:
-        raise ValueError(f"{name} cannot multiply {tuple(x.shape)} by a weight of "
-                         f"{out_features} outputs")
-    return y
-
-
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for 2-D bfloat16 ``x``, from
     ``pack(weight)``."""
-    return run_packed(_lib().avx512_linear_bf16, x, packed, out_features, bias, "avx512_linear")
+    return linear_abi.run_packed(_lib().avx512_linear_bf16, x, packed, out_features, bias, "avx512_linear")

@@ -29,13 +29,11 @@ does. Only where the CPU has one of the two and the kernel builds
 
 from __future__ import annotations
 
-import ctypes
 import functools
 
 import torch
 
-from engine.attention import cbuild
-from engine.layers.avx512_linear import run_packed
+from engine.layers import linear_abi
 
 _SOURCE = r"""
 #include <immintrin.h>
@@ -175,18 +173,10 @@ int linear_f32(float *y, int64_t y_stride, const float *x, int64_t x_stride,
 int linear_f32_built(void) { return BUILT; }
 """
 
-_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
-
-
 @functools.cache
 def _lib():
-    lib = cbuild.load("fma_linear_f32", _SOURCE)
-    if lib is None or not lib.linear_f32_built():
-        return None
-    fn = lib.linear_f32
-    fn.restype = ctypes.c_int
-    fn.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64]
-    return lib
+    return linear_abi.load("fma_linear_f32", _SOURCE, "linear_f32",
+                           lambda lib: lib.linear_f32_built())
 
 
 def available() -> bool:
@@ -211,4 +201,4 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for 2-D float32 ``x``, from ``pack(weight)``."""
-    return run_packed(_lib().linear_f32, x, packed, out_features, bias, "fma_linear_f32")
+    return linear_abi.run_packed(_lib().linear_f32, x, packed, out_features, bias, "fma_linear_f32")

@@ -56,6 +56,7 @@ class PrefillWorker(WorkerBase):
             )
         # Transfers in flight by request id, so that an Abort stops them.
         self.transfers: dict[str, asyncio.Task] = {}
+        self._releases: set[asyncio.Task] = set()  # strong references until done
 
     def transports(self) -> list[str]:
         return [t for t in self.senders if t != "torch" or self.torch_allowed]
@@ -150,8 +151,9 @@ class PrefillWorker(WorkerBase):
                 self.transfers[request_id] = transfer
             elif sender.streams_during_compute:
                 # Blocks travel as chunks of the prompt finish computing.
-                progress = PrefillProgress(len(ticket.block_ids), self._reader(request_id))
-                watch = _watcher(self.engine, request_id, progress)
+                held = _Held()
+                progress = PrefillProgress(len(ticket.block_ids), self._reader(request_id, held))
+                watch = _watcher(self.engine, request_id, progress, held)
                 self.aengine.step_hooks.append(watch)
                 send_span, transfer = self._start_send(
                     sender, ticket, lambda _: sender.send_progressive(request_id, ticket, progress))
@@ -175,11 +177,13 @@ class PrefillWorker(WorkerBase):
                                  f"(finish_reason {comp.finish_reason})")
             first_token = comp.token_ids[0]
             if transfer is None:
-                held = await self.aengine.run(lambda e: e.kv_progress(request_id))
+                done = self._finished_blocks(request_id)
                 send_span, transfer = self._start_send(
-                    sender, ticket, lambda _: sender.send(request_id, ticket, held.block_ids))
+                    sender, ticket, lambda _: sender.send(request_id, ticket, done))
                 self.transfers[request_id] = transfer
             elif sink is None:
+                if held.block_ids is None:
+                    held.block_ids = self._finished_blocks(request_id)
                 progress.complete()
             try:
                 stats = await transfer
@@ -209,7 +213,9 @@ class PrefillWorker(WorkerBase):
                     transfer.cancel()  # the compute failed or was aborted mid-stream
                 transfer.add_done_callback(lambda f: f.cancelled() or f.exception())
             self.inflight.discard(request_id)
-            await self.aengine.run(lambda e: e.release(request_id))
+            # NOTE: not awaited: the answer (the first token) would wait for
+            # the step running now, seconds on a CPU under a backlog.
+            self._release_soon(request_id)
         resp = worker_pb2.PrefillResponse(
             first_token_id=first_token, num_cached_tokens=final.num_cached_tokens,
             kv_bytes=stats.bytes, transfer_seconds=handoff,
@@ -261,11 +267,40 @@ class PrefillWorker(WorkerBase):
         with current(span):
             return span, asyncio.ensure_future(coro)
 
-    def _reader(self, request_id: str):
-        """Reads blocks of the request on the engine thread between two
-        steps, so no step writes or frees them meanwhile."""
+    def _finished_blocks(self, request_id: str) -> list[int]:
+        """The block ids of a prompt whose compute is over (on the event
+        loop: held until released, they no longer change)."""
+        done = self.engine.kv_progress(request_id)
+        if done is None:
+            raise Fenced(f"request {request_id!r} was aborted during prefill")
+        return done.block_ids
+
+    def _release_soon(self, request_id: str) -> None:
+        """Free the request's blocks here at the engine's next turn."""
+        task = asyncio.ensure_future(self.aengine.run(lambda e: e.release(request_id)))
+        self._releases.add(task)
+
+        def done(t: asyncio.Task) -> None:
+            self._releases.discard(t)
+            if not t.cancelled() and t.exception() is not None:
+                logger.error("releasing the blocks of %s failed", request_id,
+                             exc_info=t.exception())
+
+        task.add_done_callback(done)
+
+    def _reader(self, request_id: str, held: _Held):
+        """Reads blocks of the request: on the engine thread between two
+        steps while the prompt computes (a step may preempt it and hand its
+        blocks to another), directly once it is done (``held``: its blocks
+        are held until released, and no step writes them)."""
 
         async def read(lo: int, hi: int):
+            if held.block_ids is not None:
+                # Off the event loop: with tensor parallelism a read waits
+                # for the running step and gathers from every rank.
+                return await asyncio.get_running_loop().run_in_executor(
+                    None, self.io.read, held.block_ids[lo:hi])
+
             def op(engine: LLMEngine):
                 progress = engine.kv_progress(request_id)
                 if progress is None:
@@ -286,7 +321,13 @@ class PrefillWorker(WorkerBase):
         await super().close()  # the mooncake endpoint goes with the worker's transports
 
 
-def _watcher(engine: LLMEngine, request_id: str, progress: PrefillProgress):
+class _Held:
+    """The block ids of a prompt that finished computing; None before."""
+
+    block_ids: list[int] | None = None
+
+
+def _watcher(engine: LLMEngine, request_id: str, progress: PrefillProgress, held: _Held):
     """A step hook that publishes how many of the request's blocks are done."""
 
     def watch(_outputs) -> None:
@@ -294,6 +335,7 @@ def _watcher(engine: LLMEngine, request_id: str, progress: PrefillProgress):
         if state is None:
             return
         if state.finished:
+            held.block_ids = state.block_ids
             progress.complete()
         else:
             progress.update(state.num_computed_blocks)

@@ -242,6 +242,12 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def has_backlog(self) -> bool:
+        """A whole step's budget of work or more is queued: the next step
+        is a full one, and what it cannot take waits for the one after (a
+        prefill worker then asks its neighbours for cores)."""
+        return self.scheduler.backlogged
+
     def stats(self) -> EngineStats:
         kv = self.kv
         return EngineStats(

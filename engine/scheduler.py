@@ -9,6 +9,7 @@ freed and it recomputes later (tokens generated so far are kept).
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from typing import TYPE_CHECKING
@@ -281,6 +282,17 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting) + len(self.remote)
+
+    @property
+    def backlogged(self) -> bool:
+        """Whether the queued and the running requests have a whole step's
+        budget of tokens or more to compute."""
+        left = self.config.max_num_batched_tokens
+        for request in itertools.chain(self.running, self.waiting):
+            left -= request.num_tokens - request.num_computed_tokens
+            if left <= 0:
+                return True
+        return False
 
     # ---- internals -----------------------------------------------------------
 

@@ -125,6 +125,102 @@ def test_a_dead_owner_frees_its_cores(tmp_path):
         lease.close()
 
 
+def _stepping_owner(lock_dir: str, steps, stop: mp.Event, step_s: float) -> None:
+    """Owns core 1 and has work: steps of ``step_s`` until told to stop,
+    counting them in ``steps``."""
+    lease = CoreLease([1], [1], lock_dir)
+    while not stop.is_set():
+        lease.begin_step()
+        time.sleep(step_s)
+        with steps.get_lock():
+            steps.value += 1
+        lease.end_step(busy=True)
+    lease.end_step(busy=False)
+    lease.close()
+
+
+def test_a_busy_owner_lends_a_neighbour_with_a_backlog_every_other_step(tmp_path):
+    ctx = mp.get_context("spawn")
+    steps, stop = ctx.Value("i", 0), ctx.Event()
+    owner = ctx.Process(target=_stepping_owner, args=(str(tmp_path), steps, stop, 0.05))
+    owner.start()
+    lease = CoreLease([0], [0, 1], tmp_path, wait_s=10)
+    try:
+        deadline = time.monotonic() + 60
+        while steps.value < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert steps.value >= 2, "the owner did not start stepping"
+        seen = []
+        for _ in range(3):
+            # The owner is busy, but lends its core for this step...
+            assert lease.begin_step(backlog=True) == 2 and lease.borrowed == [1]
+            before = steps.value
+            time.sleep(0.3)
+            # ... and does not step on it meanwhile.
+            assert steps.value == before
+            lease.end_step(busy=True)
+            seen.append(before)
+        # Between two lent steps the owner took one of its own: turns.
+        assert seen[1] > seen[0] and seen[2] > seen[1], seen
+        assert lease.steps_borrowing == 3
+    finally:
+        stop.set()
+        owner.join(30)
+        lease.close()
+    assert owner.exitcode == 0
+
+
+def test_a_borrower_without_a_backlog_does_not_wait_for_a_busy_owner(tmp_path):
+    ctx = mp.get_context("spawn")
+    steps, stop = ctx.Value("i", 0), ctx.Event()
+    owner = ctx.Process(target=_stepping_owner, args=(str(tmp_path), steps, stop, 0.05))
+    owner.start()
+    waits = CoreLease([0], [0, 1], tmp_path, wait_s=10)
+    never = CoreLease([2], [1, 2], tmp_path)  # wait_s 0: never waits
+    try:
+        deadline = time.monotonic() + 60
+        while steps.value < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for _ in range(3):
+            start = time.monotonic()
+            assert waits.begin_step(backlog=False) == 1 and waits.borrowed == []
+            assert never.begin_step(backlog=True) == 1 and never.borrowed == []
+            assert time.monotonic() - start < 5  # neither waited its 10 s
+            waits.end_step(busy=True)
+            never.end_step(busy=True)
+    finally:
+        stop.set()
+        owner.join(30)
+        waits.close()
+        never.close()
+
+
+def test_a_borrower_with_a_backlog_waits_no_longer_than_its_bound(tmp_path):
+    # The owner holds its core in one long step: it never gets to lend.
+    neighbour, release, done = _busy_neighbour(tmp_path)
+    lease = CoreLease([0], [0, 1], tmp_path, wait_s=0.3)
+    try:
+        start = time.monotonic()
+        assert lease.begin_step(backlog=True) == 1 and lease.borrowed == []
+        waited = time.monotonic() - start
+        assert 0.3 <= waited < 10
+        lease.end_step(busy=True)
+        # It stopped waiting: the owner, stepping again, sees nobody waiting
+        # and keeps its core.
+        owner_view = CoreLease([1], [1], tmp_path)
+        try:
+            assert not owner_view._neighbour_waits()
+        finally:
+            owner_view.close()
+    finally:
+        release.set()
+        done.set()
+        neighbour.join(30)
+        lease.close()
+
+
 def test_a_lease_needs_a_core_of_its_own(tmp_path):
     with pytest.raises(ValueError, match="at least one core"):
         CoreLease([], [0, 1], tmp_path)
+    with pytest.raises(ValueError, match="wait_s"):
+        CoreLease([0], [0, 1], tmp_path, wait_s=-1)

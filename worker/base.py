@@ -44,7 +44,7 @@ class WorkerBase:
         self.aengine.step_hooks.append(lambda _: self.metrics.observe_engine(engine))
         if cores is not None:
             self.aengine.step_hooks.append(
-                lambda _: self.metrics.observe_cores(cores.steps_borrowing))
+                lambda _: self.metrics.observe_cores(cores.steps_borrowing, cores.steps_lent))
         self.inflight: set[str] = set()
         # Requests this worker gave up at shutdown: their streams end with
         # UNAVAILABLE (Draining), not a finish reason, so the gateway moves them.

@@ -32,6 +32,10 @@ from worker.transports import TransportConfig
 
 logger = logging.getLogger("worker")
 
+# How long a prefill worker with a backlog waits, at the start of a step, for
+# a busy neighbour to lend its cores: a decode step of a full batch or two.
+PREFILL_LEASE_WAIT_S = 0.5
+
 # (engine, worker id, address, flags, **WorkerBase keywords: tls, peers, transports)
 WorkerFactory = Callable[..., WorkerBase]
 
@@ -125,8 +129,12 @@ async def serve(make_worker: WorkerFactory, args: argparse.Namespace) -> None:
         cores = pin_to_cores(args.cpu_cores, args.borrow_cores)
         logger.info("computing on cores %s", format_cores(cores))
         if args.borrow_cores:
+            # A prefill worker's queue is its requests' time to first token:
+            # with a backlog it waits for a busy decode neighbour to lend its
+            # cores for a step (engine/core_lease.py).
             lease = CoreLease(cores, parse_cores(args.borrow_cores),
-                              args.core_lock_dir or default_lock_dir())
+                              args.core_lock_dir or default_lock_dir(),
+                              wait_s=PREFILL_LEASE_WAIT_S if args.role == "prefill" else 0.0)
             logger.info("borrowing cores %s while their owners idle",
                         format_cores(lease.others) or "(none besides its own)")
     config = config_from_args(args)

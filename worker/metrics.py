@@ -71,6 +71,11 @@ class WorkerMetrics(RequestMetrics):
             "Engine steps that also computed on cores borrowed from an idle worker of this host "
             "(--borrow-cores)", registry=r)
         self._borrowed_seen = 0
+        self.lent_steps = Counter(
+            "tandem:cpu_lent_steps",
+            "Steps of a waiting prefill worker of this host that this worker, busy itself, "
+            "lent its cores to (--borrow-cores)", registry=r)
+        self._lent_seen = 0
 
     def observe_engine(self, engine) -> None:
         """Refresh the gauges and counters that mirror engine state (every step)."""
@@ -89,9 +94,11 @@ class WorkerMetrics(RequestMetrics):
         if stats.spec_decode is not None:
             self._observe_spec(stats.spec_decode)
 
-    def observe_cores(self, steps_borrowing: int) -> None:
+    def observe_cores(self, steps_borrowing: int, steps_lent: int) -> None:
         self.borrowed_steps.inc(steps_borrowing - self._borrowed_seen)
         self._borrowed_seen = steps_borrowing
+        self.lent_steps.inc(steps_lent - self._lent_seen)
+        self._lent_seen = steps_lent
 
     def _observe_spec(self, now: SpecDecodeStats) -> None:
         seen = self._spec_seen

@@ -68,7 +68,7 @@ def test_a_worker_that_borrows_may_run_on_the_cores_it_borrows(tmp_path):
         assert _allowed_cores(w.proc.popen.pid) == cores
         assert f"borrowing cores {cores[1]} while their owners idle" in w.proc.output()
         assert {p.name for p in tmp_path.iterdir()} == {f"{c}.{kind}" for c in cores
-                                                        for kind in ("run", "claim")}
+                                                        for kind in ("run", "claim", "want")}
 
 
 def test_borrowing_without_cores_of_ones_own_is_refused():

@@ -262,7 +262,7 @@ class AsyncEngineLoop:
             outputs = []
         if self.engine.has_unfinished_requests():
             if self.cores is not None:
-                self.cores.begin_step(backlog=self.engine.has_backlog())
+                self.cores.begin_step(backlog=self.engine.has_backlog)
             try:
                 outputs.extend(self.engine.step())
             except Exception as exc:

@@ -45,7 +45,7 @@ from __future__ import annotations
 import fcntl
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -93,11 +93,12 @@ class CoreLease:
         self.steps_borrowing = 0  # steps that ran on at least one borrowed core
         self.steps_lent = 0  # a waiting neighbour's steps this worker's cores were lent to
 
-    def begin_step(self, backlog: bool = False) -> int:
+    def begin_step(self, backlog: Callable[[], bool] | None = None) -> int:
         """Hold this worker's own cores (waiting for a borrower's step to
-        end), borrow whichever idle neighbours' cores are free (with a
-        ``backlog``, wait up to ``wait_s`` for busy ones to lend theirs), and
-        size torch's thread team to match. Returns the thread count."""
+        end), borrow whichever idle neighbours' cores are free (if
+        ``backlog()`` says so, wait up to ``wait_s`` for busy ones to lend
+        theirs; asked only then, not every step), and size torch's thread
+        team to match. Returns the thread count."""
         if self._holding_own and self._neighbour_waits():
             self._lend_one_step()  # then this step: a step of each, by turns
         if not self._holding_own:
@@ -106,7 +107,7 @@ class CoreLease:
                 fcntl.flock(self._run[core], fcntl.LOCK_EX)  # a borrower's step at most
             self._holding_own = True
         missing = [core for core in self.others if not self._borrow(core)]
-        if backlog and missing and self.wait_s > 0:
+        if missing and self.wait_s > 0 and backlog is not None and backlog():
             self._wait_for(missing)
         self.steps_borrowing += bool(self.borrowed)
         self._set_threads(len(self.own) + len(self.borrowed))

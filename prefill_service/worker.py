@@ -182,8 +182,6 @@ class PrefillWorker(WorkerBase):
                     sender, ticket, lambda _: sender.send(request_id, ticket, done))
                 self.transfers[request_id] = transfer
             elif sink is None:
-                if held.block_ids is None:
-                    held.block_ids = self._finished_blocks(request_id)
                 progress.complete()
             try:
                 stats = await transfer

@@ -139,21 +139,28 @@ def _stepping_owner(lock_dir: str, steps, stop: mp.Event, step_s: float) -> None
     lease.close()
 
 
-def test_a_busy_owner_lends_a_neighbour_with_a_backlog_every_other_step(tmp_path):
+def _stepping_neighbour(lock_dir) -> tuple[mp.Process, object, mp.Event]:
+    """A process owning core 1, stepping on it (counted in ``steps``) until
+    ``stop`` is set; returned once it has taken two steps."""
     ctx = mp.get_context("spawn")
     steps, stop = ctx.Value("i", 0), ctx.Event()
-    owner = ctx.Process(target=_stepping_owner, args=(str(tmp_path), steps, stop, 0.05))
+    owner = ctx.Process(target=_stepping_owner, args=(str(lock_dir), steps, stop, 0.05))
     owner.start()
+    deadline = time.monotonic() + 60
+    while steps.value < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert steps.value >= 2, "the owner did not start stepping"
+    return owner, steps, stop
+
+
+def test_a_busy_owner_lends_a_neighbour_with_a_backlog_every_other_step(tmp_path):
+    owner, steps, stop = _stepping_neighbour(tmp_path)
     lease = CoreLease([0], [0, 1], tmp_path, wait_s=10)
     try:
-        deadline = time.monotonic() + 60
-        while steps.value < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert steps.value >= 2, "the owner did not start stepping"
         seen = []
         for _ in range(3):
             # The owner is busy, but lends its core for this step...
-            assert lease.begin_step(backlog=True) == 2 and lease.borrowed == [1]
+            assert lease.begin_step(backlog=lambda: True) == 2 and lease.borrowed == [1]
             before = steps.value
             time.sleep(0.3)
             # ... and does not step on it meanwhile.
@@ -171,20 +178,14 @@ def test_a_busy_owner_lends_a_neighbour_with_a_backlog_every_other_step(tmp_path
 
 
 def test_a_borrower_without_a_backlog_does_not_wait_for_a_busy_owner(tmp_path):
-    ctx = mp.get_context("spawn")
-    steps, stop = ctx.Value("i", 0), ctx.Event()
-    owner = ctx.Process(target=_stepping_owner, args=(str(tmp_path), steps, stop, 0.05))
-    owner.start()
+    owner, _, stop = _stepping_neighbour(tmp_path)
     waits = CoreLease([0], [0, 1], tmp_path, wait_s=10)
     never = CoreLease([2], [1, 2], tmp_path)  # wait_s 0: never waits
     try:
-        deadline = time.monotonic() + 60
-        while steps.value < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
         for _ in range(3):
             start = time.monotonic()
-            assert waits.begin_step(backlog=False) == 1 and waits.borrowed == []
-            assert never.begin_step(backlog=True) == 1 and never.borrowed == []
+            assert waits.begin_step(backlog=lambda: False) == 1 and waits.borrowed == []
+            assert never.begin_step(backlog=lambda: True) == 1 and never.borrowed == []
             assert time.monotonic() - start < 5  # neither waited its 10 s
             waits.end_step(busy=True)
             never.end_step(busy=True)
@@ -201,7 +202,7 @@ def test_a_borrower_with_a_backlog_waits_no_longer_than_its_bound(tmp_path):
     lease = CoreLease([0], [0, 1], tmp_path, wait_s=0.3)
     try:
         start = time.monotonic()
-        assert lease.begin_step(backlog=True) == 1 and lease.borrowed == []
+        assert lease.begin_step(backlog=lambda: True) == 1 and lease.borrowed == []
         waited = time.monotonic() - start
         assert 0.3 <= waited < 10
         lease.end_step(busy=True)

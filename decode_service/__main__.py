@@ -10,7 +10,7 @@ ROLES = ["decode", "both"]  # the first is the default --role
 
 
 def main(argv: list[str] | None = None) -> None:
-    run(lambda engine, wid, addr, args, **kw: DecodeWorker(engine, wid, addr, role=args.role,
+    run(lambda aengine, wid, addr, args, **kw: DecodeWorker(aengine, wid, addr, role=args.role,
                                                            **kw),
         DESCRIPTION, ROLES, argv)
 

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 
 from opentelemetry import context as otel_context
 
+from engine.async_engine import AsyncEngineLoop
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from kv_transfer.receiver import KVReceiver
@@ -33,10 +34,10 @@ CLAIM_GRACE_S = 30.0
 
 
 class DecodeWorker(WorkerBase):
-    def __init__(self, engine: LLMEngine, worker_id: str, address: str, role: str = "decode",
-                 **kwargs) -> None:
+    def __init__(self, aengine: AsyncEngineLoop, worker_id: str, address: str,
+                 role: str = "decode", **kwargs) -> None:
         self.role = role
-        super().__init__(engine, worker_id, address, **kwargs)
+        super().__init__(aengine, worker_id, address, **kwargs)
         self.receiver = KVReceiver(self.io, self.layout, release=self._free_reservation_soon)
         self.receiver.on_transfer.append(
             lambda t, n, s, ok: self.metrics.observe_transfer(t, "recv", n, s, ok)

@@ -4,11 +4,21 @@ The engine is single-threaded: every mutation (add, abort, step, and the
 workers' reservation calls) runs on one engine thread, between steps, so the
 event loop never blocks on the model and the engine never sees two callers
 at once.
+
+Given a function that builds the engine instead of an engine, the engine
+thread builds it too. That matters on the CPU: OpenMP (libgomp) keeps a
+team of threads per thread that ever ran a parallel region, and once a
+process holds more team threads than it has cores, every team stops
+spinning between regions and sleeps instead. A model loaded on the main
+thread and stepped on this one was two teams on two cores: each decode step
+of 64 requests went from 49 to 69 ms, waking the other thread of the team
+hundreds of times a step.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import threading
@@ -32,10 +42,12 @@ class AsyncEngineLoop:
     latest caller). Workers hold one; the
     public ``tandem.AsyncEngine`` is one built from vLLM-style arguments."""
 
-    def __init__(self, engine: LLMEngine, cores: CoreLease | None = None) -> None:
-        """``cores``: cores shared with other workers on this host, held
+    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine],
+                 cores: CoreLease | None = None) -> None:
+        """``engine``: an engine, or a function that builds one on the
+        engine thread (started here; what it raises is raised here);
+        ``cores``: cores shared with other workers on this host, held
         around each step (engine/core_lease.py); None: the process's own."""
-        self.engine = engine
         self.cores = cores
         self._ops: list[tuple[Callable[[LLMEngine], Any], asyncio.Future, bool]] = []
         # Guards _ops and _stop; the engine thread waits on it while idle.
@@ -57,7 +69,27 @@ class AsyncEngineLoop:
             self._event_loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
             self._event_loop = None
-        engine.on_unusable(self._mark_unusable)
+        if isinstance(engine, LLMEngine):
+            self.engine = engine  # its thread starts with the first op
+        else:
+            self._build_on_engine_thread(engine)
+        self.engine.on_unusable(self._mark_unusable)
+
+    def _build_on_engine_thread(self, make_engine: Callable[[], LLMEngine]) -> None:
+        built: concurrent.futures.Future = concurrent.futures.Future()
+
+        def body() -> None:
+            try:
+                self.engine = make_engine()
+            except BaseException as exc:  # noqa: BLE001 - handed to the constructor
+                built.set_exception(exc)
+                return
+            built.set_result(None)
+            self._run()
+
+        self._thread = threading.Thread(target=body, name="engine", daemon=True)
+        self._thread.start()
+        built.result()
 
     def _mark_unusable(self) -> None:
         """Called from whichever thread broke the engine."""

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from engine.kv_blocks import KVBlockView
+from engine.openmp import serial_thread
 from engine.parallel.store import listening_store
 from kv_transfer.base import PREFLIGHT_BYTES, KVSender
 from kv_transfer.layout import KVLayout, TransferStats
@@ -67,7 +68,8 @@ class PairGroup:
     group: object
     # Blocking send/recv calls run here, one at a time, in order.
     thread: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="kv-pair")
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="kv-pair",
+                                           initializer=serial_thread)
     )
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     broken: bool = False  # an operation failed: gloo has closed the pair

@@ -12,8 +12,8 @@ ROLES = ["prefill"]
 def main(argv: list[str] | None = None) -> None:
     # The torch transport's store listens on --host; peers reach it at the
     # advertised host.
-    run(lambda engine, wid, addr, args, **kw: PrefillWorker(
-            engine, wid, addr, host=args.advertise_host or args.host, bind_host=args.host, **kw),
+    run(lambda aengine, wid, addr, args, **kw: PrefillWorker(
+            aengine, wid, addr, host=args.advertise_host or args.host, bind_host=args.host, **kw),
         DESCRIPTION, ROLES, argv)
 
 

@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import time
 
+from engine.async_engine import AsyncEngineLoop
 from engine.detokenizer import IncrementalDetokenizer
 from engine.llm_engine import LLMEngine
 from kv_transfer.base import KVSender
@@ -32,12 +33,12 @@ _tracer = tracer("tandem.prefill")
 class PrefillWorker(WorkerBase):
     role = "prefill"
 
-    def __init__(self, engine: LLMEngine, worker_id: str, address: str,
+    def __init__(self, aengine: AsyncEngineLoop, worker_id: str, address: str,
                  host: str = "127.0.0.1", bind_host: str | None = None, **kwargs) -> None:
         """``host``: where decode workers reach this one (the torch
         transport's store); ``bind_host``: where that store listens. The
         first transport of ``transports`` that starts is the default."""
-        super().__init__(engine, worker_id, address, **kwargs)
+        super().__init__(aengine, worker_id, address, **kwargs)
         self.channels = ChannelPool(self.tls)
         self.senders: dict[str, KVSender] = {
             "grpc": GrpcSender(self.io, self.layout, self.channels),

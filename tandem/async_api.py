@@ -13,4 +13,6 @@ class AsyncEngine(AsyncEngineLoop):
     """``async for out in engine.generate(prompt, params, request_id)``."""
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        super().__init__(LLMEngine(engine_config(model, **kwargs)))
+        config = engine_config(model, **kwargs)
+        # Built on the engine thread, which steps it (see AsyncEngineLoop).
+        super().__init__(lambda: LLMEngine(config))

@@ -8,8 +8,6 @@ import time
 from collections.abc import AsyncIterator
 
 from engine.async_engine import AsyncEngineLoop
-from engine.core_lease import CoreLease
-from engine.llm_engine import LLMEngine
 from kv_transfer.block_io import layout_of
 from rpc.errors import Draining, Refused, Unimplemented
 from rpc.protos import worker_pb2
@@ -24,17 +22,18 @@ logger = logging.getLogger("worker")
 class WorkerBase:
     role = "base"
 
-    def __init__(self, engine: LLMEngine, worker_id: str, address: str,
+    def __init__(self, aengine: AsyncEngineLoop, worker_id: str, address: str,
                  metrics: WorkerMetrics | None = None, tls: TLSConfig | None = None,
                  peers: PeerPolicy | None = None,
-                 transports: TransportConfig | None = None,
-                 cores: CoreLease | None = None) -> None:
-        """``tls``: calls to other workers are mTLS; ``peers``: which workers
-        a call may name (worker/peers.py; default: any); ``transports``: the
-        KV transports to start (worker/transports.py; default grpc);
-        ``cores``: cores lent and borrowed between this host's workers."""
-        self.engine = engine
-        self.aengine = AsyncEngineLoop(engine, cores)
+                 transports: TransportConfig | None = None) -> None:
+        """``aengine``: the engine on its thread (with the cores it lends and
+        borrows, if any); ``tls``: calls to other workers are mTLS;
+        ``peers``: which workers a call may name (worker/peers.py; default:
+        any); ``transports``: the KV transports to start
+        (worker/transports.py; default grpc)."""
+        self.aengine = aengine
+        self.engine = engine = aengine.engine
+        cores = aengine.cores
         self.worker_id = worker_id
         self.address = address
         self.io = engine.kv_blocks

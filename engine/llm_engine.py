@@ -239,6 +239,12 @@ class LLMEngine:
         self.kv.reset_prefix_cache()
         return ids
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (the host tier's too) and restart the
+        prefix-cache hit counters: what ran before is not there to hit."""
+        self.kv.reset_prefix_cache()
+        self.kv.prefix_queries = self.kv.prefix_hits = 0
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 

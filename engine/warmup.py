@@ -34,7 +34,7 @@ def warm_up(engine) -> float:
     start = time.perf_counter()
     sched = engine.config.scheduler
     prompt_len = max(1, min(PROMPT_LEN, engine.max_model_len - OUTPUT_LEN))
-    fits = engine.kv.num_free_blocks // engine.num_blocks_for(prompt_len + OUTPUT_LEN)
+    fits = engine.stats().num_free_blocks // engine.num_blocks_for(prompt_len + OUTPUT_LEN)
     count = max(1, min(sched.max_num_batched_tokens // prompt_len, sched.max_num_seqs, fits))
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=OUTPUT_LEN, ignore_eos=True, temperature=0.0)
@@ -48,8 +48,7 @@ def warm_up(engine) -> float:
             engine.step()
     finally:
         engine.abort_request([r for r in ids if engine.has_request(r)])
-        engine.kv.reset_prefix_cache()
-        engine.kv.prefix_queries = engine.kv.prefix_hits = 0
+        engine.reset_prefix_cache()
     seconds = time.perf_counter() - start
     logger.info("warmed up in %.2f s: %d prompts of %d tokens, %d output tokens each",
                 seconds, count, prompt_len, OUTPUT_LEN)

@@ -13,7 +13,7 @@ from engine import scheduler_output
 ROOT = Path(__file__).resolve().parent.parent
 # The engine's collaborators, private to LLMEngine.
 INTERNALS = {"scheduler", "kv", "runner", "output_processor"}
-CALLERS = ["engine/async_engine.py", "tandem", "worker", "prefill_service", "decode_service",
+CALLERS = ["engine/async_engine.py", "engine/warmup.py", "tandem", "worker", "prefill_service", "decode_service",
            "gateway", "kv_transfer"]
 
 

@@ -88,6 +88,12 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (as vLLM's ``LLM.reset_prefix_cache``):
+        the next prompts are computed in full. True once done."""
+        self.engine.reset_prefix_cache()
+        return True
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

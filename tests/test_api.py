@@ -57,6 +57,19 @@ def test_generate_keeps_input_order(llm):
     assert_all_free(llm.engine)
 
 
+def test_reset_prefix_cache_forgets_what_was_cached(llm):
+    prompt = list(range(5, 45))  # 10 full blocks of 4
+    llm.generate(prompt, GREEDY, use_tqdm=False)
+    hits = llm.engine.stats().prefix_hits
+    llm.generate(prompt, GREEDY, use_tqdm=False)
+    assert llm.engine.stats().prefix_hits > hits  # the control: the prefix was cached
+    assert llm.reset_prefix_cache() is True
+    assert llm.engine.stats().prefix_hits == 0
+    llm.generate(prompt, GREEDY, use_tqdm=False)
+    assert llm.engine.stats().prefix_hits == 0
+    assert_all_free(llm.engine)
+
+
 def test_generate_with_a_list_of_params(llm):
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (1, 3, 5)]
     outs = llm.generate(["a", "b", "c"], params, use_tqdm=False)

@@ -33,7 +33,11 @@ def warm_up(engine) -> float:
         raise ValueError("warm up an engine before it takes requests")
     start = time.perf_counter()
     sched = engine.config.scheduler
-    prompt_len = max(1, min(PROMPT_LEN, engine.max_model_len - OUTPUT_LEN))
+    free_tokens = engine.stats().num_free_blocks * engine.block_size
+    prompt_len = min(PROMPT_LEN, engine.max_model_len - OUTPUT_LEN, free_tokens - OUTPUT_LEN)
+    if prompt_len < 1:  # a cache (or context) too small to warm anything up in
+        logger.info("no warm-up: the KV cache or max_model_len holds no prompt")
+        return 0.0
     fits = engine.stats().num_free_blocks // engine.num_blocks_for(prompt_len + OUTPUT_LEN)
     count = max(1, min(sched.max_num_batched_tokens // prompt_len, sched.max_num_seqs, fits))
     vocab = engine.model_config.vocab_size
@@ -44,8 +48,13 @@ def warm_up(engine) -> float:
         prompt = [(i * prompt_len + j) % vocab for j in range(prompt_len)]
         engine.add_request(request_id, prompt, params)
     try:
-        while engine.has_unfinished_requests():
+        # Each prompt is scheduled within a few steps; a bound in case one never is.
+        for _ in range(count * (prompt_len + OUTPUT_LEN)):
+            if not engine.has_unfinished_requests():
+                break
             engine.step()
+        if engine.has_unfinished_requests():
+            raise RuntimeError("the warm-up's requests did not finish")
     finally:
         engine.abort_request([r for r in ids if engine.has_request(r)])
         engine.reset_prefix_cache()

@@ -62,3 +62,10 @@ def test_an_engine_with_requests_is_not_warmed_up():
         warm_up(engine)
     done = run_to_completion(engine)  # the queued request is untouched
     assert len(done["real"].outputs[0].token_ids) == GREEDY.max_tokens
+
+
+def test_a_cache_too_small_for_any_prompt_skips_the_warm_up():
+    model_dir, _ = tiny("llama-gqa")
+    engine = make_engine(model_dir, num_blocks=1, block_size=2)  # 2 tokens: no prompt + 2
+    assert warm_up(engine) == 0.0
+    assert engine.stats().num_steps == 0 and engine.stats().num_free_blocks == 1

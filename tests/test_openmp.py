@@ -15,12 +15,13 @@ from engine.openmp import serial_thread
 from engine.sampling_params import SamplingParams
 
 
-def _os_threads() -> int:
-    return len(os.listdir("/proc/self/task"))
+def _os_threads() -> set[str]:
+    return set(os.listdir("/proc/self/task"))
 
 
 def _threads_a_parallel_op_adds(prepare) -> tuple[int, int]:
-    """OS threads this process gains while a fresh thread runs a parallel op."""
+    """OS threads born while a fresh thread runs a parallel op (new thread
+    ids: threads of earlier tests that exit meanwhile do not count)."""
     seen = {}
 
     def body():
@@ -28,7 +29,7 @@ def _threads_a_parallel_op_adds(prepare) -> tuple[int, int]:
         before = _os_threads()
         x = torch.randn(1024, 1024)
         (x * 2).sum()  # large enough for torch to split it across its team
-        seen["added"] = _os_threads() - before
+        seen["added"] = len(_os_threads() - before)
         seen["team"] = torch.get_num_threads()
 
     t = threading.Thread(target=body)

@@ -26,6 +26,12 @@ PROMPT_LEN = 128  # a typical prompt; a full step holds budget / PROMPT_LEN of t
 OUTPUT_LEN = 2  # the prefill's token, then one decode step over the whole batch
 
 
+def warmup_prompt(i: int, length: int, vocab_size: int) -> list[int]:
+    """The ``i``-th warm-up prompt. Each starts with a token of its own, so
+    no two share a prefix block (while there are fewer than ``vocab_size``)."""
+    return [(i + j) % vocab_size for j in range(length)]
+
+
 def warm_up(engine) -> float:
     """Run a full prefill step and a decode step of made-up prompts through
     ``engine`` (an ``LLMEngine`` with nothing queued); returns the seconds."""
@@ -33,20 +39,19 @@ def warm_up(engine) -> float:
         raise ValueError("warm up an engine before it takes requests")
     start = time.perf_counter()
     sched = engine.config.scheduler
-    free_tokens = engine.stats().num_free_blocks * engine.block_size
-    prompt_len = min(PROMPT_LEN, engine.max_model_len - OUTPUT_LEN, free_tokens - OUTPUT_LEN)
+    free_blocks = engine.stats().num_free_blocks
+    prompt_len = min(PROMPT_LEN, engine.max_model_len - OUTPUT_LEN,
+                     free_blocks * engine.block_size - OUTPUT_LEN)
     if prompt_len < 1:  # a cache (or context) too small to warm anything up in
         logger.info("no warm-up: the KV cache or max_model_len holds no prompt")
         return 0.0
-    fits = engine.stats().num_free_blocks // engine.num_blocks_for(prompt_len + OUTPUT_LEN)
+    fits = free_blocks // engine.num_blocks_for(prompt_len + OUTPUT_LEN)
     count = max(1, min(sched.max_num_batched_tokens // prompt_len, sched.max_num_seqs, fits))
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=OUTPUT_LEN, ignore_eos=True, temperature=0.0)
     ids = [f"warmup-{i}" for i in range(count)]
     for i, request_id in enumerate(ids):
-        # Distinct prompts, so that none reuses another's prefix.
-        prompt = [(i * prompt_len + j) % vocab for j in range(prompt_len)]
-        engine.add_request(request_id, prompt, params)
+        engine.add_request(request_id, warmup_prompt(i, prompt_len, vocab), params)
     try:
         # Each prompt is scheduled within a few steps; a bound in case one never is.
         for _ in range(count * (prompt_len + OUTPUT_LEN)):

@@ -15,7 +15,6 @@ import sys
 import threading
 
 from engine.config import DTYPE_CHOICES, CacheConfig, EngineConfig, default_of
-from gateway.config import GatewayConfig
 from gateway.disagg_policy import POLICIES
 from tandem.cluster import LocalCluster
 from worker.cpu_cores import split_cores
@@ -49,10 +48,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--transport", default="mooncake", choices=["grpc", "torch", "mooncake"],
                    help="KV transport (default mooncake; its workers fall back to grpc, "
                         "logged and counted, where it cannot start)")
-    p.add_argument("--disagg-policy", default=default_of(GatewayConfig, "disagg_policy"),
-                   choices=POLICIES,
+    p.add_argument("--disagg-policy", default=None, choices=POLICIES,
                    help="where each prompt is computed: always on a prefill worker, never "
-                        "(on the decode worker), or auto (a cost model; gateway/disagg_policy.py)")
+                        "(on the decode worker), or auto (a cost model; gateway/disagg_policy.py); "
+                        "default: the gateway's")
     p.add_argument("--state-url", default=None,
                    help="Redis URL (default: the gateway's in-process store)")
     p.add_argument("--kv-cache-gib", type=float,
@@ -101,8 +100,9 @@ def start_cluster(args: argparse.Namespace, cluster: LocalCluster):
                                            *placed(args.prefill + i)])
                for i in range(args.decode)]
     gateway_args = [*model, "--host", args.host, "--port", str(args.port),
-                    "--grpc-port", str(args.grpc_port), "--transport", args.transport,
-                    "--disagg-policy", args.disagg_policy]
+                    "--grpc-port", str(args.grpc_port), "--transport", args.transport]
+    if args.disagg_policy:
+        gateway_args += ["--disagg-policy", args.disagg_policy]
     for p in prefills:
         gateway_args += ["--prefill", p.address]
     for d in decodes:

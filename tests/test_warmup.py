@@ -6,14 +6,14 @@ import pytest
 from engine_fixtures import make_engine, run_to_completion, tiny
 
 from engine.sampling_params import SamplingParams
-from engine.warmup import OUTPUT_LEN, PROMPT_LEN, warm_up
+from engine.warmup import OUTPUT_LEN, PROMPT_LEN, warm_up, warmup_prompt
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
 def _first_warmup_prompt(engine) -> list[int]:
     n = min(PROMPT_LEN, engine.max_model_len - OUTPUT_LEN)
-    return [j % engine.model_config.vocab_size for j in range(n)]
+    return warmup_prompt(0, n, engine.model_config.vocab_size)
 
 
 def test_a_warm_engine_holds_no_blocks_prefixes_or_counts():
@@ -51,6 +51,7 @@ def test_a_small_cache_warms_up_with_what_fits():
     model_dir, _ = tiny("llama-gqa")
     engine = make_engine(model_dir, num_blocks=40, block_size=4)  # 160 tokens: one prompt
     warm_up(engine)
+    assert engine.stats().num_steps == OUTPUT_LEN  # it ran, in the blocks it had
     assert engine.stats().num_free_blocks == 40
 
 

@@ -240,10 +240,12 @@ class LLMEngine:
         return ids
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix (the host tier's too) and restart the
-        prefix-cache hit counters: what ran before is not there to hit."""
+        """Forget every cached prefix (the host tier's and a draft model's
+        too). The prefix-cache counters go on counting: they are totals
+        since the engine started, as Prometheus counters must be."""
         self.kv.reset_prefix_cache()
-        self.kv.prefix_queries = self.kv.prefix_hits = 0
+        if self.spec is not None:
+            self.spec.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

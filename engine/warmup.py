@@ -9,8 +9,10 @@ first burst's time to first token; so a worker runs one full step of
 made-up prompts, and a decode step after it, before it says it is ready
 (vLLM's server does its own dummy runs at start for the same reason).
 
-Nothing of the warm-up stays: its requests finish, their blocks go back,
-their prefixes leave the cache, and the prefix-cache counters restart.
+Nothing of the warm-up stays: its requests finish, their blocks go back
+and their prefixes leave the cache. The engine's counters do count its
+steps; a worker's metrics count from the end of the warm-up
+(``WorkerMetrics.count_from``).
 """
 
 from __future__ import annotations
@@ -40,8 +42,9 @@ def warm_up(engine) -> float:
     start = time.perf_counter()
     sched = engine.config.scheduler
     free_blocks = engine.stats().num_free_blocks
-    prompt_len = min(PROMPT_LEN, engine.max_model_len - OUTPUT_LEN,
-                     free_blocks * engine.block_size - OUTPUT_LEN)
+    # Each prompt in one chunk, so the first step holds the most prompts.
+    prompt_len = min(PROMPT_LEN, sched.long_prefill_token_threshold or PROMPT_LEN,
+                     engine.max_model_len - OUTPUT_LEN, free_blocks * engine.block_size - OUTPUT_LEN)
     if prompt_len < 1:  # a cache (or context) too small to warm anything up in
         logger.info("no warm-up: the KV cache or max_model_len holds no prompt")
         return 0.0

@@ -259,6 +259,10 @@ def test_draft_model_greedy_output_is_unchanged():
             assert stats.num_accepted_tokens > stats.num_draft_tokens * 0.9
         assert_all_free(engine)
         assert_all_free(engine.spec.proposer.engine)
+        draft_pool = engine.spec.proposer.engine.kv.pool
+        assert draft_pool.free_block_ids()[1]  # the draft cached its sequences' blocks
+        engine.reset_prefix_cache()  # forgets the draft's prefixes too
+        assert draft_pool.free_block_ids()[1] == []
 
 
 @pytest.mark.parametrize("model", ["llama-gqa", "qwen2"])

@@ -25,11 +25,39 @@ def test_a_warm_engine_holds_no_blocks_prefixes_or_counts():
     assert stats.num_steps == steps_before + OUTPUT_LEN  # it did run: a prefill and a decode
     assert stats.num_free_blocks == stats.num_blocks
     assert (stats.num_requests, stats.num_sequences) == (0, 0)
-    assert (stats.prefix_queries, stats.prefix_hits) == (0, 0)
     # Its prompts are not cached: the same prompt again is computed anew.
     engine.add_request("again", _first_warmup_prompt(engine), GREEDY)
     run_to_completion(engine)
-    assert engine.stats().prefix_hits == 0
+    assert engine.stats().prefix_hits == stats.prefix_hits
+
+
+def test_a_workers_metrics_count_from_the_end_of_its_warm_up():
+    from prometheus_client import generate_latest
+
+    from worker.metrics import WorkerMetrics
+
+    def counted(metrics, name):
+        for line in generate_latest(metrics.registry).decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+        raise AssertionError(f"{name} not exported")
+
+    model_dir, _ = tiny("llama-gqa")
+    engine = make_engine(model_dir, num_blocks=256, block_size=4, enable_prefix_caching=True)
+    warm_up(engine)
+    warm = engine.stats()
+    assert warm.prefix_queries > 0  # the engine's totals include the warm-up
+    metrics = WorkerMetrics("w", "decode")
+    metrics.count_from(warm)
+    metrics.observe_engine(engine)
+    assert counted(metrics, "vllm:prefix_cache_queries_total") == 0
+    prompt = list(range(3, 3 + 12))
+    for i in range(2):  # the second finds the first's 3 full blocks cached
+        engine.add_request(f"r{i}", prompt, GREEDY)
+        run_to_completion(engine)
+    metrics.observe_engine(engine)
+    assert counted(metrics, "vllm:prefix_cache_queries_total") == 2 * len(prompt)
+    assert counted(metrics, "vllm:prefix_cache_hits_total") == 8  # 2 blocks: the last is recomputed
 
 
 def test_outputs_after_a_warm_up_are_those_of_a_fresh_engine():

@@ -154,7 +154,14 @@ async def serve(make_worker: WorkerFactory, args: argparse.Namespace) -> None:
     def build() -> LLMEngine:
         engine = LLMEngine(config)
         if args.warmup:
-            warm_up(engine)
+            # On the cores it will serve on, as a step: not on a neighbour's.
+            if lease is not None:
+                lease.begin_step()
+            try:
+                warm_up(engine)
+            finally:
+                if lease is not None:
+                    lease.end_step(busy=False)
         return engine
 
     # Built on the thread that steps it, the only one that computes in

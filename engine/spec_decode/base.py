@@ -57,3 +57,6 @@ class Proposer(ABC):
 
     def forget(self, request_id: str) -> None:  # noqa: B027 (a stateless proposer keeps none)
         """Drop any state kept for ``request_id``."""
+
+    def reset_prefix_cache(self) -> None:  # noqa: B027 (most proposers cache nothing)
+        """Forget any prefixes cached for proposals."""

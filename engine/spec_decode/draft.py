@@ -70,6 +70,9 @@ class DraftModelProposer(Proposer):
                     tokens[ids[out.request_id]] = out.outputs[0].token_ids
         return [Proposal(tokens.get(r.request_id, [])) for r in requests]
 
+    def reset_prefix_cache(self) -> None:
+        self.engine.reset_prefix_cache()
+
 
 def check_draft(draft: ModelConfig, target: ModelConfig) -> None:
     """ValueError unless ``draft`` can propose for ``target``: the same

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 
 from gateway.app import run_gateway
 from gateway.config import add_arguments, from_args
+from rpc import event_loop
 from rpc.logs import setup_logging
 from rpc.parent_death import die_with_parent
 from rpc.tracing import setup_tracing
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging(args.log_format)
     setup_tracing("tandem-gateway")
     logging.getLogger("uvicorn.access").setLevel(logging.WARNING)
-    asyncio.run(run_gateway(config, args.host, args.port, args.grpc_port))
+    event_loop.run(run_gateway(config, args.host, args.port, args.grpc_port))
 
 
 if __name__ == "__main__":

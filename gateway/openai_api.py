@@ -17,10 +17,9 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST
-from sse_starlette import EventSourceResponse
 
 from gateway.fan_in import FanIn
 from gateway.openai_render import ChatRenderer, CompletionRenderer
@@ -318,18 +317,22 @@ async def _first(merged: AsyncIterator) -> Any:
         return None
 
 
-def _sse(events: AsyncIterator[dict]) -> EventSourceResponse:
+def _sse(events: AsyncIterator[dict]) -> StreamingResponse:
     async def body():
         try:
             async for event in events:
-                yield json.dumps(event)
+                yield b"data: " + json.dumps(event).encode() + b"\n\n"
         except Exception as exc:  # after the stream began: an error event, then the end
             if not isinstance(exc, ValueError | TandemError):
                 logger.exception("unexpected error in a stream")  # the client sees only 500
-            yield json.dumps(json.loads(error_response(exc).body))
-        yield "[DONE]"
+            yield b"data: " + error_response(exc).body + b"\n\n"
+        yield b"data: [DONE]\n\n"
 
-    # NOTE: "\n" and no keep-alive comments: the bytes OpenAI's servers send
-    # (`data: {...}\n\n`, then `data: [DONE]`), which some clients parse by hand.
-    return EventSourceResponse(body(), sep="\n", ping=0,
-                               headers={"Cache-Control": "no-cache"})
+    # NOTE: the bytes OpenAI's servers send (`data: {...}\n\n`, then `data:
+    # [DONE]`, no keep-alive comments), which some clients parse by hand.
+    # Starlette's streaming response ends the body (and with it the request)
+    # when the client disconnects; no more than that per event, as each
+    # streamed token costs the host's cores (rpc/event_loop.py).
+    # X-Accel-Buffering: a proxy in front (nginx) passes each event on at once.
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -20,6 +20,7 @@ from engine.llm_engine import LLMEngine
 from engine.openmp import serial_thread
 from engine.warmup import warm_up
 from kv_transfer.mooncake_endpoint import PROTOCOLS
+from rpc import event_loop
 from rpc.logs import setup_logging
 from rpc.parent_death import die_with_parent
 from rpc.protos import worker_pb2, worker_pb2_grpc
@@ -126,9 +127,9 @@ def run(make_worker: WorkerFactory, description: str, roles: list[str],
                 "nor authenticated; add --tls-allow-torch-transport on a trusted network")
     setup_logging(args.log_format)
     if config.node_rank > 0:  # another node's ranks of the leader's group: no API of its own
-        raise SystemExit(asyncio.run(serve_node(args, config)))
+        raise SystemExit(event_loop.run(serve_node(args, config)))
     setup_tracing(f"tandem-{args.role}")
-    asyncio.run(serve(make_worker, args))
+    event_loop.run(serve(make_worker, args))
 
 
 async def serve(make_worker: WorkerFactory, args: argparse.Namespace) -> None:

@@ -100,3 +100,32 @@ def test_quick_flag_shrinks_every_size():
     full = compare.parse_args([])
     assert (full.num_prompts, full.uniform_prompt_len, full.uniform_output_len) == (64, 128, 128)
     assert compare.lengths("32-512") == (32, 512) and compare.lengths("7") == (7, 7)
+
+
+def test_each_serving_point_has_prompts_of_its_own():
+    compare = _load("compare")  # puts benchmarks/peers on the import path
+    serving = _load("serving")
+    args = compare.parse_args(["--serve-rates", "inf,6", "--serve-repeat", "2",
+                               "--serve-num-prompts", "4"])
+    args.vocab_size = 1000
+    plan = serving.serving_plan(args)
+    assert [rate for rate, _ in plan] == [float("inf"), 6.0, float("inf"), 6.0]
+    prompts = [tuple(tuple(r.prompt) for r in requests) for _, requests in plan]
+    assert len(set(prompts)) == 4  # no point finds another's prompts in a prefix cache
+    again = serving.serving_plan(args)  # every server gets the same plan
+    assert [tuple(tuple(r.prompt) for r in requests) for _, requests in again] == prompts
+
+
+def test_repeated_serving_points_summarize_to_medians():
+    serving = _load("serving")
+    points = [{"rate": "inf", "ok": 64, "failed": 0, "output_tok_s": tok, "ttft_p50_ms": ttft,
+               "tpot_p50_ms": 70.0} for tok, ttft in ((700.0, 900.0), (760.0, 800.0),
+                                                         (730.0, 1000.0))]
+    points.append({"rate": "6.0", "ok": 63, "failed": 1, "output_tok_s": 300.0,
+                   "ttft_p50_ms": 90.0, "tpot_p50_ms": 30.0})
+    rows = serving.summarize("vllm", points, "1.0")
+    assert [r["rate"] for r in rows] == ["inf", "6.0"]
+    assert (rows[0]["output_tok_s"], rows[0]["ttft_p50_ms"], rows[0]["ok"]) == (730.0, 900.0, 192)
+    assert rows[1]["failed"] == 1 and rows[1]["repeats"] == 1
+    table = harness.serving_table(rows)
+    assert "700 / 760 / 730" in table and "| 730 " in table

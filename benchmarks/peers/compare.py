@@ -161,6 +161,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--serve-output-len", type=int, default=64)
     g.add_argument("--serve-rates", default="inf,2",
                    help="request rates, inf = all at once, a number = Poisson arrivals")
+    g.add_argument("--serve-repeat", type=int, default=1,
+                   help="bursts per request rate and server, each with prompts of its own; "
+                        "the table shows their median and each one's tok/s")
     g.add_argument("--tandem-kv-gib", type=float, default=2.0)
     g.add_argument("--server-timeout", type=float, default=900.0,
                    help="seconds for a server to come up (vLLM compiles on its first start)")

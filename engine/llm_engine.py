@@ -247,6 +247,11 @@ class LLMEngine:
         if self.spec is not None:
             self.spec.reset_prefix_cache()
 
+    def warm_up_proposer(self) -> None:
+        """With a draft model, run its engine's first steps now (engine/warmup.py)."""
+        if self.spec is not None:
+            self.spec.warm_up()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 

@@ -7,7 +7,9 @@ page by page. On 2 cores the bundled SmolLM2's first 2048-token prefill
 step took 0.93 s against 0.33 s for the next one. Served, that lands on the
 first burst's time to first token; so a worker runs one full step of
 made-up prompts, and a decode step after it, before it says it is ready
-(vLLM's server does its own dummy runs at start for the same reason).
+(vLLM's server does its own dummy runs at start for the same reason). A
+draft model for speculative decoding runs in an engine of its own, which is
+warmed up the same way after the target.
 
 Nothing of the warm-up stays: its requests finish, their blocks go back
 and their prefixes leave the cache. The engine's counters do count its
@@ -66,6 +68,7 @@ def warm_up(engine) -> float:
     finally:
         engine.abort_request([r for r in ids if engine.has_request(r)])
         engine.reset_prefix_cache()
+    engine.warm_up_proposer()  # a draft model's engine has first steps of its own
     seconds = time.perf_counter() - start
     logger.info("warmed up in %.2f s: %d prompts of %d tokens, %d output tokens each",
                 seconds, count, prompt_len, OUTPUT_LEN)

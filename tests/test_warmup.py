@@ -83,6 +83,21 @@ def test_a_small_cache_warms_up_with_what_fits():
     assert engine.stats().num_free_blocks == 40
 
 
+def test_a_draft_models_engine_is_warmed_up_too():
+    from engine_fixtures import root
+    from tiny_models import build_tiny_model
+
+    model_dir, _ = tiny("llama-gqa")
+    draft_dir, _ = build_tiny_model("llama-gqa", root() / "draft-1-layer", num_hidden_layers=1)
+    engine = make_engine(model_dir, num_blocks=256, block_size=4,
+                         speculative_config={"model": str(draft_dir), "num_speculative_tokens": 2})
+    draft = engine.spec.proposer.engine
+    warm_up(engine)
+    assert draft.stats().num_steps >= OUTPUT_LEN  # its own prefill and decode steps ran
+    assert draft.stats().num_free_blocks == draft.stats().num_blocks
+    assert draft.kv.pool.free_block_ids()[1] == []  # nothing of the warm-up stays cached
+
+
 def test_an_engine_with_requests_is_not_warmed_up():
     model_dir, _ = tiny("llama-gqa")
     engine = make_engine(model_dir, num_blocks=64, block_size=4)

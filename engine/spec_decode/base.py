@@ -60,3 +60,6 @@ class Proposer(ABC):
 
     def reset_prefix_cache(self) -> None:  # noqa: B027 (most proposers cache nothing)
         """Forget any prefixes cached for proposals."""
+
+    def warm_up(self) -> None:  # noqa: B027 (most proposers compute nothing to warm)
+        """Take a model's costly first steps now (engine/warmup.py)."""

@@ -73,6 +73,11 @@ class DraftModelProposer(Proposer):
     def reset_prefix_cache(self) -> None:
         self.engine.reset_prefix_cache()
 
+    def warm_up(self) -> None:
+        from engine.warmup import warm_up  # NOTE: here: warmup's caller imports this package
+
+        warm_up(self.engine)
+
 
 def check_draft(draft: ModelConfig, target: ModelConfig) -> None:
     """ValueError unless ``draft`` can propose for ``target``: the same

@@ -317,6 +317,21 @@ async def _first(merged: AsyncIterator) -> Any:
         return None
 
 
+class _EventStream(StreamingResponse):
+    """A streaming response that closes its body however the stream ends.
+
+    When a client disconnects, Starlette cancels the streaming task. If the
+    cancel lands in ``send`` (a slow reader's full socket) rather than in
+    the body's wait for the next event, the body generator stays suspended
+    at its ``yield``, and its request stays running until the generator is
+    garbage collected. Closing it here runs its cleanup, and so the abort,
+    at once."""
+
+    async def stream_response(self, send) -> None:
+        async with contextlib.aclosing(self.body_iterator):
+            await super().stream_response(send)
+
+
 def _sse(events: AsyncIterator[dict]) -> StreamingResponse:
     async def body():
         try:
@@ -330,9 +345,9 @@ def _sse(events: AsyncIterator[dict]) -> StreamingResponse:
 
     # NOTE: the bytes OpenAI's servers send (`data: {...}\n\n`, then `data:
     # [DONE]`, no keep-alive comments), which some clients parse by hand.
-    # Starlette's streaming response ends the body (and with it the request)
-    # when the client disconnects; no more than that per event, as each
-    # streamed token costs the host's cores (rpc/event_loop.py).
+    # The response closes the body (and with it the request) when the client
+    # disconnects; it does no more than that per event, as each streamed
+    # token costs the host's cores (rpc/event_loop.py).
     # X-Accel-Buffering: a proxy in front (nginx) passes each event on at once.
-    return StreamingResponse(body(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return _EventStream(body(), media_type="text/event-stream",
+                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -236,7 +236,7 @@ class LLMEngine:
         ids = [rid for rid in self.output_processor.groups
                if not any(s.request_id in remote for s in self.output_processor.sequences(rid))]
         self.abort_request(ids)
-        self.kv.reset_prefix_cache()
+        self.reset_prefix_cache()
         return ids
 
     def reset_prefix_cache(self) -> None:

@@ -265,6 +265,38 @@ def test_draft_model_greedy_output_is_unchanged():
         assert draft_pool.free_block_ids()[1] == []
 
 
+def test_a_failed_draft_step_leaves_nothing_behind():
+    """The draft engine fails mid-proposal: the target's step fails, the
+    recovery forgets the draft's prefixes, and the next requests speculate
+    and decode as if it never happened."""
+    d, _ = tiny()
+    prompts = random_prompts([12, 20], seed=6)
+    ref = generate(make_engine(d), prompts, GREEDY)
+    engine = make_engine(d, speculative_config={"model": str(d), "num_speculative_tokens": 2})
+    draft = engine.spec.proposer.engine
+    forward = draft.runner.model.forward
+    calls = {"n": 0}
+
+    def fail_once(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:  # past the draft's first prefill: inside a proposal
+            raise RuntimeError("draft step failed")
+        return forward(*args, **kwargs)
+
+    draft.runner.model.forward = fail_once  # the model fails, as a real step would
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"f{i}", prompt, GREEDY)
+    with pytest.raises(RuntimeError, match="draft step failed"):
+        for _ in range(100):
+            engine.step()
+    assert not draft.has_unfinished_requests()  # the failed proposal's requests are gone
+    engine.recover_from_failed_step()
+    assert draft.kv.pool.free_block_ids()[1] == []  # and nothing it cached stays
+    assert generate(engine, prompts, GREEDY) == ref
+    assert_all_free(engine)
+    assert_all_free(draft)
+
+
 @pytest.mark.parametrize("model", ["llama-gqa", "qwen2"])
 def test_ngram_greedy_output_is_unchanged(model):
     d = bigram(model)

@@ -64,10 +64,17 @@ class DraftModelProposer(Proposer):
             ids[rid] = r.request_id
             engine.add_request(rid, r.token_ids, self._params(max_tokens=r.max_tokens, **_GREEDY))
         tokens: dict[str, list[int]] = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    tokens[ids[out.request_id]] = out.outputs[0].token_ids
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        tokens[ids[out.request_id]] = out.outputs[0].token_ids
+        except BaseException:
+            # A failed draft step: leave no draft request behind (the next
+            # proposal would meet its outputs) and no prefix it may not have written.
+            engine.abort_request([rid for rid in ids if engine.has_request(rid)])
+            engine.reset_prefix_cache()
+            raise
         return [Proposal(tokens.get(r.request_id, [])) for r in requests]
 
     def reset_prefix_cache(self) -> None:

@@ -3,8 +3,9 @@
 
 Every streamed token crosses the gateway's and a worker's loops (a gRPC
 read, an SSE write), and on a small host their CPU time is taken from the
-engine's cores: with uvloop, a 64-request burst of 64 tokens each cost the
-gateway's loop thread about a fifth less CPU (docs/benchmarks.md).
+engine's cores: with uvloop and httptools, three 64-request bursts of 64
+tokens each cost the gateway's loop thread about a fifth less CPU
+(docs/benchmarks.md).
 """
 
 from __future__ import annotations

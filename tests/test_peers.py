@@ -14,6 +14,8 @@ PEERS = Path(__file__).resolve().parent.parent / "benchmarks" / "peers"
 
 
 def _load(name: str):
+    if str(PEERS) not in sys.path:  # the scripts import each other by name
+        sys.path.insert(0, str(PEERS))
     spec = importlib.util.spec_from_file_location(f"peers_{name}", PEERS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
@@ -103,7 +105,7 @@ def test_quick_flag_shrinks_every_size():
 
 
 def test_each_serving_point_has_prompts_of_its_own():
-    compare = _load("compare")  # puts benchmarks/peers on the import path
+    compare = _load("compare")
     serving = _load("serving")
     args = compare.parse_args(["--serve-rates", "inf,6", "--serve-repeat", "2",
                                "--serve-num-prompts", "4"])
@@ -123,9 +125,12 @@ def test_repeated_serving_points_summarize_to_medians():
                                                          (730.0, 1000.0))]
     points.append({"rate": "6.0", "ok": 63, "failed": 1, "output_tok_s": 300.0,
                    "ttft_p50_ms": 90.0, "tpot_p50_ms": 30.0})
+    points.append({"rate": "6.0", "ok": 0, "failed": 64, "output_tok_s": 0.0,
+                   "ttft_p50_ms": float("nan"), "tpot_p50_ms": float("nan")})
     rows = serving.summarize("vllm", points, "1.0")
     assert [r["rate"] for r in rows] == ["inf", "6.0"]
     assert (rows[0]["output_tok_s"], rows[0]["ttft_p50_ms"], rows[0]["ok"]) == (730.0, 900.0, 192)
-    assert rows[1]["failed"] == 1 and rows[1]["repeats"] == 1
+    assert rows[1]["failed"] == 65 and rows[1]["repeats"] == 2
+    assert rows[1]["ttft_p50_ms"] == 90.0  # the run that completed nothing has no TTFT
     table = harness.serving_table(rows)
     assert "700 / 760 / 730" in table and "| 730 " in table

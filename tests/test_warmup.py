@@ -16,7 +16,7 @@ def _first_warmup_prompt(engine) -> list[int]:
     return warmup_prompt(0, n, engine.model_config.vocab_size)
 
 
-def test_a_warm_engine_holds_no_blocks_prefixes_or_counts():
+def test_a_warm_engine_holds_no_blocks_or_prefixes():
     model_dir, _ = tiny("llama-gqa")
     engine = make_engine(model_dir, num_blocks=256, block_size=4, enable_prefix_caching=True)
     steps_before = engine.stats().num_steps
@@ -58,6 +58,24 @@ def test_a_workers_metrics_count_from_the_end_of_its_warm_up():
     metrics.observe_engine(engine)
     assert counted(metrics, "vllm:prefix_cache_queries_total") == 2 * len(prompt)
     assert counted(metrics, "vllm:prefix_cache_hits_total") == 8  # 2 blocks: the last is recomputed
+
+
+def test_core_lease_steps_of_the_warm_up_are_not_counted():
+    from types import SimpleNamespace
+
+    from prometheus_client import generate_latest
+
+    from worker.metrics import WorkerMetrics
+
+    model_dir, _ = tiny("llama-gqa")
+    engine = make_engine(model_dir, num_blocks=64, block_size=4)
+    metrics = WorkerMetrics("w", "decode")
+    cores = SimpleNamespace(steps_borrowing=2, steps_lent=1)  # a warm-up step borrowed cores
+    metrics.count_from(engine.stats(), cores)
+    metrics.observe_cores(cores.steps_borrowing + 1, cores.steps_lent)  # one served step since
+    text = generate_latest(metrics.registry).decode()
+    assert "tandem:cpu_borrowed_steps_total 1.0" in text
+    assert "tandem:cpu_lent_steps_total 0.0" in text
 
 
 def test_outputs_after_a_warm_up_are_those_of_a_fresh_engine():

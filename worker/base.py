@@ -40,7 +40,7 @@ class WorkerBase:
         self.layout = layout_of(engine)
         self.draining = False
         self.metrics = metrics or WorkerMetrics(worker_id, self.role)
-        self.metrics.count_from(engine.stats())
+        self.metrics.count_from(engine.stats(), cores)
         self.aengine.step_hooks.append(lambda _: self.metrics.observe_engine(engine))
         if cores is not None:
             self.aengine.step_hooks.append(

@@ -155,7 +155,8 @@ async def serve(make_worker: WorkerFactory, args: argparse.Namespace) -> None:
     def build() -> LLMEngine:
         engine = LLMEngine(config)
         if args.warmup:
-            # On the cores it will serve on, as a step: not on a neighbour's.
+            # As a step under the core lease: on this worker's own cores and
+            # any an idle neighbour lends, not on a busy neighbour's.
             if lease is not None:
                 lease.begin_step()
             try:

@@ -77,13 +77,16 @@ class WorkerMetrics(RequestMetrics):
             "lent its cores to (--borrow-cores)", registry=r)
         self._lent_seen = 0
 
-    def count_from(self, stats) -> None:
-        """Count from the engine's ``stats`` (an ``EngineStats``) on: what
-        the engine did before serving (its warm-up) is not served traffic."""
+    def count_from(self, stats, cores=None) -> None:
+        """Count from the engine's ``stats`` (an ``EngineStats``) and its
+        core lease's step counts (``cores``, if any) on: what the engine did
+        before serving (its warm-up) is not served traffic."""
         self._prefix_seen = (stats.prefix_queries, stats.prefix_hits)
         self._tier_seen = (stats.host_tier_restored_blocks, stats.host_tier_bytes)
         if stats.spec_decode is not None:
             self._spec_seen = stats.spec_decode
+        if cores is not None:
+            self._borrowed_seen, self._lent_seen = cores.steps_borrowing, cores.steps_lent
 
     def observe_engine(self, engine) -> None:
         """Refresh the gauges and counters that mirror engine state (every step)."""

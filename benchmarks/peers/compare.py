@@ -175,6 +175,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if "--dtypes" not in (argv if argv is not None else sys.argv[1:]):
             args.dtypes = "float32"
         args.serve_input_len, args.serve_output_len = 64, 16
+    if args.serve_repeat < 1:
+        p.error("--serve-repeat must be at least 1")
     if args.serve_num_prompts is None:
         args.serve_num_prompts = args.num_prompts
     args.vllm_python = args.vllm_venv / "bin" / "python"

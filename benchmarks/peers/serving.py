@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import statistics
 import subprocess
@@ -117,7 +118,9 @@ def summarize(server: str, points: list[dict], load: str) -> list[dict]:
         by_rate.setdefault(point["rate"], []).append(point)
 
     def median(key: str, reps: list[dict]) -> float:
-        return statistics.median(p[key] for p in reps)
+        # A run with no completions has no percentiles (NaN): leave it out.
+        values = [p[key] for p in reps if not math.isnan(p[key])]
+        return statistics.median(values) if values else math.nan
 
     return [{"server": SERVERS[server], "rate": rate, "repeats": len(reps),
              "ok": sum(p["ok"] for p in reps), "failed": sum(p["failed"] for p in reps),

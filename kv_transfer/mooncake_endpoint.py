@@ -65,7 +65,7 @@ class MooncakeEndpoint:
         # Two TCP connections per peer, unless the environment says otherwise
         # (read by the engine when it starts). 64 MiB between two processes
         # on this 2-core loopback, five interleaved runs each: median 1643
-        # MiB/s with 2 lanes, 1261 with the default 1 and 1397 with 4
+        # MiB/s with 2 lanes, 1261 with the default 1 and 1315 with 4
         # (docs/benchmarks.md); for 16 MiB no difference.
         os.environ.setdefault("MC_TCP_LANES_PER_PEER", str(TCP_LANES_PER_PEER))
         try:

@@ -107,10 +107,15 @@ def test_one_trace_spans_every_process(traced):
     assert send["transport"] == "grpc" and send["bytes"] > 0
     assert by_name["decode.generate"]["attributes"]["steps"] >= 1
     # The gateway's log line for the request carries both ids.
-    gateway_lines = [json.loads(line) for line in gateway.output().splitlines()
-                     if line.startswith("{")]
-    finished = [e for e in gateway_lines if e.get("trace_id") == trace_id]
-    assert finished and finished[-1]["request_id"].startswith("cmpl-")
+    # (Read from the gateway's pipe by another thread of this process: wait
+    # for it rather than race it.)
+    def logged() -> list[dict]:
+        lines = [json.loads(line) for line in gateway.output().splitlines()
+                 if line.startswith("{")]
+        return [e for e in lines if e.get("trace_id") == trace_id]
+
+    finished = wait_until(logged, 10, "the gateway's log line for the request")
+    assert finished[-1]["request_id"].startswith("cmpl-")
     assert finished[-1]["timings"]["e2e_s"] > 0
 
 

@@ -293,15 +293,13 @@ class AsyncEngineLoop:
             self._post(self._finish_ops, ops, results, outputs)
             outputs = []
         if self.engine.has_unfinished_requests():
-            if self.cores is not None:
-                self.cores.begin_step(backlog=self.engine.has_backlog)
-            try:
-                outputs.extend(self.engine.step())
-            except Exception as exc:
-                return outputs, exc
-            finally:
-                if self.cores is not None:
-                    self.cores.end_step(busy=self.engine.has_unfinished_requests())
+            engine = self.engine
+            with (contextlib.nullcontext() if self.cores is None else
+                  self.cores.step(engine.has_backlog, engine.has_unfinished_requests)):
+                try:
+                    outputs.extend(engine.step())
+                except Exception as exc:
+                    return outputs, exc
         return outputs, None
 
     def _finish_ops(self, ops, results, outputs: list[RequestOutput]) -> None:

@@ -42,10 +42,11 @@ one), never the owner for the borrower's idle time.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -112,6 +113,17 @@ class CoreLease:
         self.steps_borrowing += bool(self.borrowed)
         self._set_threads(len(self.own) + len(self.borrowed))
         return self._threads
+
+    @contextlib.contextmanager
+    def step(self, backlog: Callable[[], bool] | None = None,
+             busy: Callable[[], bool] | None = None) -> Iterator[None]:
+        """``begin_step`` and ``end_step`` around a block; ``busy()`` (None:
+        not busy) is asked once it has run, however it ends."""
+        self.begin_step(backlog)
+        try:
+            yield
+        finally:
+            self.end_step(busy=busy is not None and busy())
 
     def _borrow(self, core: int) -> bool:
         """Take ``core`` for one step if its owner idles and nobody computes on it."""

@@ -17,7 +17,6 @@ What a request's blocks go through, by caller::
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -33,7 +32,7 @@ from engine.output_processor import OutputProcessor
 from engine.outputs import EngineStats, KVProgress, RequestOutput
 from engine.request import Request, RequestStatus
 from engine.request_checks import check_request
-from engine.resolved import resolve_model
+from engine.resolved import eos_token_ids, resolve_model
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.scheduler_output import SchedulerOutput
@@ -59,7 +58,7 @@ class LLMEngine:
         self.model_config = resolved.model_config
         has_tokenizer = (self.model_dir / "tokenizer.json").is_file()
         self.tokenizer = Tokenizer(self.model_dir) if has_tokenizer else None
-        self.eos_token_ids = self._eos_token_ids()
+        self.eos_token_ids = eos_token_ids(resolved, self.tokenizer)
         self.max_model_len = resolved.max_model_len
         self.runner = ModelRunner(config, self.model_config, self.model_dir, self.max_model_len)
         cache = config.cache
@@ -244,13 +243,13 @@ class LLMEngine:
         too). The prefix-cache counters go on counting: they are totals
         since the engine started, as Prometheus counters must be."""
         self.kv.reset_prefix_cache()
-        if self.spec is not None:
-            self.spec.reset_prefix_cache()
+        if self.draft_engine is not None:
+            self.draft_engine.reset_prefix_cache()
 
-    def warm_up_proposer(self) -> None:
-        """With a draft model, run its engine's first steps now (engine/warmup.py)."""
-        if self.spec is not None:
-            self.spec.warm_up()
+    @property
+    def draft_engine(self) -> LLMEngine | None:
+        """The draft model's own engine, with draft-model speculation."""
+        return self.spec.proposer.engine if self.spec is not None else None
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -392,13 +391,3 @@ class LLMEngine:
         store = HostKVStore(self.runner.kv_blocks, self.model_config.num_layers, max(slots, 1))
         self.kv.attach_host_tier(HostKVTier(slots, block_bytes, store.copy_out, store.copy_in))
         logger.info("host KV tier: %d blocks (%.2f GiB)", slots, slots * block_bytes / 2**30)
-
-    def _eos_token_ids(self) -> tuple[int, ...]:
-        ids = set(self.model_config.eos_token_ids)
-        gen = self.model_dir / "generation_config.json"
-        if gen.is_file():
-            eos = json.loads(gen.read_text()).get("eos_token_id")
-            ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return tuple(sorted(ids))

@@ -11,6 +11,7 @@ them at the handshake.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,3 +61,16 @@ def _max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
     if asked > model_max:
         raise ValueError(f"max_model_len {asked} exceeds the model's limit of {model_max}")
     return asked
+
+
+def eos_token_ids(resolved: ResolvedModel, tokenizer) -> tuple[int, ...]:
+    """Every token that ends a sequence: the model config's, the generation
+    config's and the tokenizer's (a ``Tokenizer`` or None)."""
+    ids = set(resolved.model_config.eos_token_ids)
+    gen = resolved.model_dir / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return tuple(sorted(ids))

@@ -68,7 +68,8 @@ def warm_up(engine) -> float:
     finally:
         engine.abort_request([r for r in ids if engine.has_request(r)])
         engine.reset_prefix_cache()
-    engine.warm_up_proposer()  # a draft model's engine has first steps of its own
+    if engine.draft_engine is not None:  # its first steps are costly too
+        warm_up(engine.draft_engine)
     seconds = time.perf_counter() - start
     logger.info("warmed up in %.2f s: %d prompts of %d tokens, %d output tokens each",
                 seconds, count, prompt_len, OUTPUT_LEN)

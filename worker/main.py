@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import ipaddress
 import logging
@@ -157,13 +158,8 @@ async def serve(make_worker: WorkerFactory, args: argparse.Namespace) -> None:
         if args.warmup:
             # As a step under the core lease: on this worker's own cores and
             # any an idle neighbour lends, not on a busy neighbour's.
-            if lease is not None:
-                lease.begin_step()
-            try:
+            with contextlib.nullcontext() if lease is None else lease.step():
                 warm_up(engine)
-            finally:
-                if lease is not None:
-                    lease.end_step(busy=False)
         return engine
 
     # Built on the thread that steps it, the only one that computes in

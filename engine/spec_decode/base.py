@@ -50,6 +50,8 @@ class Proposal:
 
 class Proposer(ABC):
     name: str
+    # A proposer that runs a model of its own: that model's LLMEngine (draft.py).
+    engine: Any = None
 
     @abstractmethod
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
@@ -58,8 +60,3 @@ class Proposer(ABC):
     def forget(self, request_id: str) -> None:  # noqa: B027 (a stateless proposer keeps none)
         """Drop any state kept for ``request_id``."""
 
-    def reset_prefix_cache(self) -> None:  # noqa: B027 (most proposers cache nothing)
-        """Forget any prefixes cached for proposals."""
-
-    def warm_up(self) -> None:  # noqa: B027 (most proposers compute nothing to warm)
-        """Take a model's costly first steps now (engine/warmup.py)."""

@@ -77,14 +77,6 @@ class DraftModelProposer(Proposer):
             raise
         return [Proposal(tokens.get(r.request_id, [])) for r in requests]
 
-    def reset_prefix_cache(self) -> None:
-        self.engine.reset_prefix_cache()
-
-    def warm_up(self) -> None:
-        from engine.warmup import warm_up  # NOTE: here: warmup's caller imports this package
-
-        warm_up(self.engine)
-
 
 def check_draft(draft: ModelConfig, target: ModelConfig) -> None:
     """ValueError unless ``draft`` can propose for ``target``: the same

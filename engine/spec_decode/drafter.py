@@ -222,12 +222,6 @@ class SpecDecoder:
             self._backoff = state.backoff
         self.proposer.forget(request_id)
 
-    def reset_prefix_cache(self) -> None:
-        self.proposer.reset_prefix_cache()
-
-    def warm_up(self) -> None:
-        self.proposer.warm_up()
-
 
 def speculates(request: Request) -> bool:
     """Whether the verifier can sample this sequence exactly as ``sample``

@@ -36,6 +36,26 @@ logger = logging.getLogger("engine")
 T = TypeVar("T")
 
 
+class _Stream:
+    """A request's stream: its queue, and the number of the op that added it.
+
+    A request id can be used again once its request has ended (a retry on
+    the same worker, started while the old request's abort is queued). Each
+    output is stamped with the number of the last op run before it was made;
+    one stamped before the add is the old request's, still on its way to the
+    event loop, and is dropped."""
+
+    __slots__ = ("queue", "since")
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.since = -1  # set on the engine thread by the add
+
+    def put(self, item: Any, stamp: int) -> None:
+        if stamp >= self.since >= 0:
+            self.queue.put_nowait(item)
+
+
 class AsyncEngineLoop:
     """Runs an LLMEngine on a thread of its own, stepping while there is
     work, and hands its outputs to asyncio streams (on the event loop of the
@@ -53,7 +73,8 @@ class AsyncEngineLoop:
         # Guards _ops and _stop; the engine thread waits on it while idle.
         self._cv = threading.Condition()
         self._stop = False
-        self._streams: dict[str, asyncio.Queue] = {}
+        self._streams: dict[str, _Stream] = {}
+        self._ops_run = 0  # ops run so far, counted on the engine thread
         self._thread: threading.Thread | None = None  # started by the first op
         self._closed = False
         # Called on the event loop after each step with the step's outputs.
@@ -133,11 +154,16 @@ class AsyncEngineLoop:
         produced itself). Leaving early aborts the request."""
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        queue: asyncio.Queue = asyncio.Queue()
+        stream = _Stream()
         # Registered before the add: the add's own step may already produce output.
-        self._streams[request_id] = queue
+        self._streams[request_id] = stream
+
+        def add_here(engine: LLMEngine) -> list[RequestOutput] | None:
+            stream.since = self._ops_run
+            return add(engine)
+
         try:
-            await self.run(add, emits_outputs=True)
+            await self.run(add_here, emits_outputs=True)
         except Exception:
             # The add itself failed (e.g. the id is in use): nothing landed, and
             # an abort would hit the other request that holds this id.
@@ -153,7 +179,7 @@ class AsyncEngineLoop:
         finished = False
         try:
             while True:
-                item = await queue.get()
+                item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
@@ -163,12 +189,23 @@ class AsyncEngineLoop:
         finally:
             self._streams.pop(request_id, None)
             if not finished and not self._closed:
-                await asyncio.shield(self.abort(request_id))
+                # NOTE: queued now, not by a task that starts later: an add of
+                # the same id that comes next must find this request gone.
+                done = self._submit(lambda engine: engine.abort_request(request_id), False)
+                self._run_hooks(await asyncio.shield(done))
 
     async def abort(self, request_id: str) -> None:
-        """Abort a request; when this returns its blocks are free."""
+        """Abort a request; when this returns its blocks are free, and its
+        stream (if one is open) has the abort's output."""
+        stream = self._streams.get(request_id)
         outs = await self.run(lambda engine: engine.abort_request(request_id))
-        self._dispatch(outs)
+        # NOTE: only to the stream this abort was for. Once that stream has
+        # gone, the id may name a new request already (a retry started at
+        # once), which the old request's "abort" must not end.
+        if stream is not None and self._streams.get(request_id) is stream:
+            for out in outs:
+                stream.queue.put_nowait(out)
+        self._run_hooks(outs)
 
     async def run(self, fn: Callable[[LLMEngine], T], emits_outputs: bool = False) -> T:
         """Run ``fn(engine)`` on the engine thread between two steps. With
@@ -255,32 +292,33 @@ class AsyncEngineLoop:
                 except Exception:
                     logger.exception("recovering from the failed step failed")
                     aborted = []
-                self._post(self._fail_streams, aborted, failed)
+                self._post(self._fail_streams, aborted, failed, self._ops_run)
                 continue
-            self._post(self._dispatch, outputs)
+            self._post(self._dispatch, outputs, self._ops_run)
             # NOTE: requests wait but none fits (their blocks are held, e.g. by
             # a decode worker's reservations), and nothing runs that could free
             # blocks: only an op can change that. Wait for one instead of
             # spinning a core on empty steps.
             until_op = not ops and not outputs and not self.engine.stats().num_running
 
-    def _fail_streams(self, aborted: list[str], failed: Exception) -> None:
+    def _fail_streams(self, aborted: list[str], failed: Exception, stamp: int) -> None:
         """On the event loop: end the streams of the requests a failed step aborted."""
         for request_id in aborted:
-            queue = self._streams.get(request_id)
-            if queue is not None:
-                queue.put_nowait(RuntimeError(f"engine step failed: {failed}"))
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                stream.put(RuntimeError(f"engine step failed: {failed}"), stamp)
         if isinstance(failed, EngineUnusable):
             self.unusable.set()  # also done by the watcher; harmless twice
 
     def _tick(self, ops) -> tuple[list[RequestOutput], Exception | None]:
         """Run the ops, hand their results back, then step once."""
-        results, outputs = [], []
+        results, outputs, emitted = [], [], []
         for fn, _, emits in ops:
+            self._ops_run += 1
             try:
                 value = fn(self.engine)
                 if emits:
-                    outputs.extend(value or [])
+                    emitted.append((self._ops_run, value or []))
                     value = None
                 results.append((True, value))
             except Exception as exc:
@@ -290,8 +328,7 @@ class AsyncEngineLoop:
             # release answers (and a started request's first output goes out)
             # without waiting for a step of every running request. Queued
             # before this tick returns, so they land before its outputs.
-            self._post(self._finish_ops, ops, results, outputs)
-            outputs = []
+            self._post(self._finish_ops, ops, results, emitted)
         if self.engine.has_unfinished_requests():
             engine = self.engine
             with (contextlib.nullcontext() if self.cores is None else
@@ -302,8 +339,9 @@ class AsyncEngineLoop:
                     return outputs, exc
         return outputs, None
 
-    def _finish_ops(self, ops, results, outputs: list[RequestOutput]) -> None:
-        """On the event loop: the ops' results, and the outputs they made."""
+    def _finish_ops(self, ops, results, emitted: list[tuple[int, list[RequestOutput]]]) -> None:
+        """On the event loop: the ops' results, and the outputs they made
+        (with the number of the op that made them)."""
         for (_, future, _), (ok, value) in zip(ops, results):
             if future.done():
                 continue
@@ -311,15 +349,20 @@ class AsyncEngineLoop:
                 future.set_result(value)
             else:
                 future.set_exception(value)
-        for out in outputs:
-            queue = self._streams.get(out.request_id)
-            if queue is not None:
-                queue.put_nowait(out)
+        for stamp, outputs in emitted:
+            self._deliver(outputs, stamp)
 
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+    def _deliver(self, outputs: list[RequestOutput], stamp: int) -> None:
         for out in outputs:
-            queue = self._streams.get(out.request_id)
-            if queue is not None:
-                queue.put_nowait(out)
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put(out, stamp)
+
+    def _dispatch(self, outputs: list[RequestOutput], stamp: int) -> None:
+        """On the event loop: a step's outputs to their streams and the hooks."""
+        self._deliver(outputs, stamp)
+        self._run_hooks(outputs)
+
+    def _run_hooks(self, outputs: list[RequestOutput]) -> None:
         for hook in self.step_hooks:
             hook(outputs)

@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from gateway.decode_mux import MuxedDecode
 from gateway.disagg_policy import Decision, DisaggPolicy
 from gateway.request_record import RequestRecords
 from gateway.router import WorkerPool, WorkerView
@@ -259,10 +260,11 @@ class Attempts:
                                               "migrated": bool(request.output_token_ids)})
         error: BaseException | None = None
         watch: StallWatch | None = None
+        stream: MuxedDecode | None = None
         try:
             finished = False
             with current(span):
-                stream = self.pool.stub(decode.address).Decode(request)
+                stream = self.pool.decode(decode.address, request)
             watch = StallWatch(decode, self.stall_timeout_s, stream)
             async for c in stream:
                 watch.progress()
@@ -298,6 +300,8 @@ class Attempts:
         finally:
             if watch is not None:
                 watch.close()
+            if stream is not None:
+                stream.close()  # a request left unread stops on the worker now
             span.set_attribute("tokens", len(seq.sent))
             end_span(span, error)
             decode.inflight -= 1

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from engine.config import DTYPE_SIZES
+from gateway.decode_mux import DecodeMux, MuxedDecode
 from rpc.pool import ChannelPool
 from rpc.protos import worker_pb2, worker_pb2_grpc
 
@@ -88,6 +89,8 @@ class WorkerPool:
         for address in self.static:
             self.workers[address] = WorkerView(address)
         self._task: asyncio.Task | None = None
+        self._decodes: dict[str, DecodeMux] = {}
+        self._closing: set[asyncio.Task] = set()
         self._redis = None
         self.changed = asyncio.Event()
 
@@ -103,11 +106,27 @@ class WorkerPool:
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
+        await asyncio.gather(*(mux.close() for mux in self._decodes.values()), *self._closing)
+        self._decodes.clear()
         if self._redis is not None:
             await self._redis.aclose()
 
     def stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
         return worker_pb2_grpc.WorkerStub(self.channels.get(address))
+
+    def decode(self, address: str, request: worker_pb2.DecodeRequest) -> MuxedDecode:
+        """Start ``request`` on the decode worker at ``address``, over the
+        one stream this gateway keeps open to it."""
+        mux = self._decodes.get(address)
+        if mux is None or mux.closed:
+            mux = self._decodes[address] = DecodeMux(self.stub(address), address)
+        return mux.start(request)
+
+    def _close_decodes(self, address: str) -> None:
+        mux = self._decodes.pop(address, None)
+        if mux is not None:
+            self._closing.add(task := asyncio.ensure_future(mux.close()))
+            task.add_done_callback(self._closing.discard)
 
     # ---- discovery and health ----------------------------------------------------------
 
@@ -153,6 +172,7 @@ class WorkerPool:
                 logger.info("worker %s stopped heartbeating: out of rotation", address)
                 w.left.set()
                 del self.workers[address]
+                self._close_decodes(address)
 
     async def _poll(self, w: WorkerView) -> None:
         try:

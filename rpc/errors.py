@@ -129,11 +129,21 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         return handler
 
 
-async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+def error_status(exc: Exception) -> tuple[grpc.StatusCode, str]:
+    """The status a handler that raised ``exc`` answers with (an internal
+    error is logged here)."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        # NOTE: a call to another worker failed and nobody converted it:
+        # grpc would answer UNKNOWN ("Unexpected AioRpcError").
+        exc = peer_error(exc)
     code = status_for(exc)
     if code == grpc.StatusCode.INTERNAL:
         logger.exception("internal error in a gRPC handler", exc_info=exc)
-    await context.abort(code, str(exc) or type(exc).__name__)
+    return code, str(exc) or type(exc).__name__
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+    await context.abort(*error_status(exc))
 
 
 def _wrap_unary(fn):
@@ -143,9 +153,7 @@ def _wrap_unary(fn):
         except grpc.aio.AbortError:
             raise
         except grpc.aio.AioRpcError as err:
-            # NOTE: a call to another worker failed and nobody converted it:
-            # grpc would answer UNKNOWN ("Unexpected AioRpcError").
-            await _abort(context, peer_error(err))
+            await _abort(context, err)
         except grpc.RpcError:
             raise
         except Exception as exc:
@@ -162,7 +170,7 @@ def _wrap_stream(fn):
         except grpc.aio.AbortError:
             raise
         except grpc.aio.AioRpcError as err:
-            await _abort(context, peer_error(err))
+            await _abort(context, err)
         except grpc.RpcError:
             raise
         except Exception as exc:

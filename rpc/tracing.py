@@ -2,7 +2,8 @@
 
 One trace per request: the gateway's span is the root (or a child of the
 client's ``traceparent``); every worker call carries the context in gRPC
-metadata (the grpc.aio instrumentation injects and extracts it), and the
+metadata (the grpc.aio instrumentation injects and extracts it), or, on the
+multiplexed DecodeMany stream, in each request's start message, and the
 workers add spans for their phases (prefill compute, KV transfer, decode).
 
 Exporters, chosen at start-up:
@@ -98,10 +99,14 @@ def setup_tracing(service_name: str) -> bool:
     from opentelemetry.instrumentation.grpc import (
         GrpcAioInstrumentorClient,
         GrpcAioInstrumentorServer,
+        filters,
     )
 
-    GrpcAioInstrumentorServer().instrument()
-    GrpcAioInstrumentorClient().instrument()
+    # NOTE: not the multiplexed DecodeMany call: it lives as long as the
+    # gateway, and each request on it carries its own trace context instead.
+    per_request = filters.negate(filters.method_name("DecodeMany"))
+    GrpcAioInstrumentorServer(filter_=per_request).instrument()
+    GrpcAioInstrumentorClient(filter_=per_request).instrument()
     _configured = True
     return True
 

@@ -39,6 +39,7 @@ class WorkerBase:
         self.io = engine.kv_blocks
         self.layout = layout_of(engine)
         self.draining = False
+        self.drained = asyncio.Event()  # the drain has ended: multiplexed streams close
         self.metrics = metrics or WorkerMetrics(worker_id, self.role)
         self.metrics.count_from(engine.stats(), cores)
         self.aengine.step_hooks.append(lambda _: self.metrics.observe_engine(engine))
@@ -140,6 +141,7 @@ class WorkerBase:
             logger.warning("handing %s back at shutdown", request_id)
             self.evicted.add(request_id)
             await self.abort(request_id)
+        self.drained.set()
 
     async def close(self) -> None:
         await self.aengine.shutdown()

@@ -10,6 +10,7 @@ from __future__ import annotations
 from rpc.logs import request_id_var
 from rpc.protos import worker_pb2, worker_pb2_grpc
 from worker.base import WorkerBase
+from worker.decode_many import decode_many
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -31,6 +32,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         request_id_var.set(request.request_id)
         async for chunk in self.worker.decode(request):
             yield chunk
+
+    async def DecodeMany(self, request_iterator, context):
+        async for batch in decode_many(self.worker, request_iterator):
+            yield batch
 
     async def Abort(self, request, context):
         request_id_var.set(request.request_id)

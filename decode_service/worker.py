@@ -167,7 +167,7 @@ class DecodeWorker(WorkerBase):
         # Closed in `finally`: a cancelled call aborts the request now, not
         # whenever the generator is garbage collected.
         outs = self.aengine.stream(request_id, add)
-        self.inflight.add(request_id)
+        held = self.hold(request_id)
         try:
             first = True
             async for out in outs:
@@ -203,8 +203,7 @@ class DecodeWorker(WorkerBase):
         finally:
             span.set_attributes({"steps": steps, "tokens": len(comp.token_ids) if steps else 0})
             end_span(span, None if isinstance(error, GeneratorExit) else error)
-            self.inflight.discard(request_id)
-            self.evicted.discard(request_id)
+            self.release(request_id, held)
             await outs.aclose()
 
     def _continue_reserved(self, req: worker_pb2.DecodeRequest):

@@ -15,6 +15,7 @@ one per request (worker/decode_many.py says why).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import itertools
 import logging
 
@@ -26,6 +27,7 @@ from rpc.protos import worker_pb2, worker_pb2_grpc
 logger = logging.getLogger("gateway")
 
 _STATUS = {code.value[0]: code for code in grpc.StatusCode}
+_END = object()  # the request ended well
 _CANCELLED = object()  # the consumer's own cancel
 
 
@@ -40,6 +42,7 @@ class MuxedDecode:
         self._mux = mux
         self._tag = tag
         self._queue: asyncio.Queue = asyncio.Queue()
+        self._last = None  # how the iteration ended: it ends that way again
         self.done = False  # ended, failed or cancelled: nothing more to tell the worker
 
     def _deliver(self, item: worker_pb2.DecodeItem) -> None:
@@ -48,7 +51,7 @@ class MuxedDecode:
         if item.end:
             self.done = True
             code = _STATUS.get(item.code, grpc.StatusCode.UNKNOWN)
-            self._queue.put_nowait(None if code == grpc.StatusCode.OK
+            self._queue.put_nowait(_END if code == grpc.StatusCode.OK
                                    else _rpc_error(code, item.message))
 
     def _fail(self, error: grpc.aio.AioRpcError) -> None:
@@ -59,10 +62,11 @@ class MuxedDecode:
         return self
 
     async def __anext__(self) -> worker_pb2.DecodeChunk:
-        item = await self._queue.get()
+        item = self._last if self._last is not None else await self._queue.get()
         if isinstance(item, worker_pb2.DecodeChunk):
             return item
-        if item is None:
+        self._last = item
+        if item is _END:
             raise StopAsyncIteration
         if item is _CANCELLED:
             raise asyncio.CancelledError()
@@ -82,11 +86,19 @@ class MuxedDecode:
             self._mux._cancel(self._tag)
 
 
+def open_mux(stub: worker_pb2_grpc.WorkerStub, address: str) -> DecodeMux:
+    """A ``DecodeMux`` created outside the current request's context: its
+    tasks copy no request id or span of the request that opened it."""
+    return contextvars.Context().run(DecodeMux, stub, address)
+
+
 class DecodeMux:
     """One DecodeMany call to one worker, shared by the requests decoded
     there. Once the call has ended (``closed``), the pool opens another."""
 
     def __init__(self, stub: worker_pb2_grpc.WorkerStub, address: str) -> None:
+        """Opens the call. Create it in an empty context (``open_mux``): the
+        call and its reader outlive the request that happened to open them."""
         self.address = address
         self.closed = False
         self._tags = itertools.count(1)
@@ -127,7 +139,12 @@ class DecodeMux:
                         del self._requests[item.tag]
                     decode._deliver(item)
         except grpc.aio.AioRpcError as err:
-            error = err
+            # NOTE: UNAVAILABLE for each request whatever the call's status
+            # (UNIMPLEMENTED from a worker that predates DecodeMany, say):
+            # it says nothing about the request, which may go elsewhere.
+            error = _rpc_error(grpc.StatusCode.UNAVAILABLE,
+                               f"decode stream to {self.address}: {err.code().name}: "
+                               f"{err.details()}")
         except asyncio.CancelledError:
             # Closed here: the worker left rotation, or the gateway is stopping.
             error = _rpc_error(grpc.StatusCode.UNAVAILABLE,
@@ -135,6 +152,7 @@ class DecodeMux:
             raise
         finally:
             self.closed = True
+            self._call.cancel()  # a no-op once it has ended; else its requests stop
             self._controls.put_nowait(None)
             requests, self._requests = list(self._requests.values()), {}
             if requests:

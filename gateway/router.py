@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from engine.config import DTYPE_SIZES
-from gateway.decode_mux import DecodeMux, MuxedDecode
+from gateway.decode_mux import DecodeMux, MuxedDecode, open_mux
+from rpc.errors import Unavailable
 from rpc.pool import ChannelPool
 from rpc.protos import worker_pb2, worker_pb2_grpc
 
@@ -90,6 +91,7 @@ class WorkerPool:
             self.workers[address] = WorkerView(address)
         self._task: asyncio.Task | None = None
         self._decodes: dict[str, DecodeMux] = {}
+        self._stopped = False
         self._closing: set[asyncio.Task] = set()
         self._redis = None
         self.changed = asyncio.Event()
@@ -104,6 +106,7 @@ class WorkerPool:
         self._task = asyncio.ensure_future(self._loop())
 
     async def stop(self) -> None:
+        self._stopped = True
         if self._task is not None:
             self._task.cancel()
         await asyncio.gather(*(mux.close() for mux in self._decodes.values()), *self._closing)
@@ -117,9 +120,11 @@ class WorkerPool:
     def decode(self, address: str, request: worker_pb2.DecodeRequest) -> MuxedDecode:
         """Start ``request`` on the decode worker at ``address``, over the
         one stream this gateway keeps open to it."""
+        if self._stopped:
+            raise Unavailable("the gateway is shutting down")
         mux = self._decodes.get(address)
         if mux is None or mux.closed:
-            mux = self._decodes[address] = DecodeMux(self.stub(address), address)
+            mux = self._decodes[address] = open_mux(self.stub(address), address)
         return mux.start(request)
 
     def _close_decodes(self, address: str) -> None:

@@ -127,7 +127,7 @@ class PrefillWorker(WorkerBase):
             if sink is not None:
                 engine.stream_layers(request_id, sink)
 
-        self.inflight.add(request_id)
+        held = self.hold(request_id)
         computed = False
         transfer: asyncio.Future | None = None
         watch = None
@@ -211,7 +211,7 @@ class PrefillWorker(WorkerBase):
                 if not transfer.done():
                     transfer.cancel()  # the compute failed or was aborted mid-stream
                 transfer.add_done_callback(lambda f: f.cancelled() or f.exception())
-            self.inflight.discard(request_id)
+            self.release(request_id, held)
             # NOTE: not awaited: the answer (the first token) would wait for
             # the step running now, seconds on a CPU under a backlog.
             self._release_soon(request_id)

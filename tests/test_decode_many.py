@@ -21,6 +21,7 @@ from worker_fixtures import Gateway, Worker, params, start_worker
 from gateway.decode_mux import DecodeMux, MuxedDecode
 from rpc.protos import worker_pb2
 from tandem.cluster import LocalCluster
+from worker.decode_many import BATCH_BYTES, _batches
 
 NUM_BLOCKS = 96
 StatusCode = grpc.StatusCode
@@ -192,7 +193,13 @@ async def test_drain_finishes_the_stream_then_ends_it(model_dir):
         w: Worker = start_worker(cluster, "both", model_dir, NUM_BLOCKS, "--grace", "60")
         async with Gateway() as gw:
             mux = DecodeMux(gw.stub(w), w.address)
-            long = start(mux, "drain", [5, 6, 7], temperature=0, max_tokens=300, ignore_eos=True)
+            # Started again at once after a cancel: the old call, still
+            # winding down, must not take the new one out of the drain's count.
+            gone = start(mux, "drain", [5, 6, 7], temperature=0, max_tokens=900, ignore_eos=True)
+            await gone.__anext__()
+            gone.cancel()
+            # Long enough to outlast the server's 1 s stop after an empty drain.
+            long = start(mux, "drain", [5, 6, 7], temperature=0, max_tokens=1000, ignore_eos=True)
             first = await long.__anext__()
             w.proc.popen.send_signal(signal.SIGTERM)
             refused = None
@@ -207,8 +214,38 @@ async def test_drain_finishes_the_stream_then_ends_it(model_dir):
             assert refused is not None and refused.code() == StatusCode.UNAVAILABLE
             assert "draining" in refused.details()
             tokens, reason = await collect(long)
-            assert len(first.token_ids) + len(tokens) == 300 and reason == "length"
+            assert len(first.token_ids) + len(tokens) == 1000 and reason == "length"
             # Then the worker ends the stream and exits.
             assert await asyncio.to_thread(w.proc.popen.wait, 15) == 0
             assert mux.closed
 
+
+
+def test_a_large_batch_goes_out_in_several_messages():
+    chunk = worker_pb2.DecodeChunk(text="x" * (BATCH_BYTES // 3))
+    items = [worker_pb2.DecodeItem(tag=t, chunk=chunk) for t in range(1, 8)]
+    batches = _batches(items)
+    assert len(batches) == 4  # two items fit under the limit, a third does not
+    assert all(b.ByteSize() <= BATCH_BYTES for b in batches)
+    assert [i.tag for b in batches for i in b.items] == list(range(1, 8))
+    assert len(_batches(items[:1])) == 1 and _batches([]) == []
+
+
+async def test_a_stream_the_peer_refuses_fails_each_request_as_unavailable():
+    """A worker without DecodeMany (an older one) answers the call with
+    UNIMPLEMENTED: that says nothing about the requests, which may go to
+    another worker, so each one fails with UNAVAILABLE."""
+    server = grpc.aio.server()
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with Gateway() as gw:
+            address = f"127.0.0.1:{port}"
+            mux = DecodeMux(gw.stub(address), address)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await collect(start(mux, "nowhere", [1, 2], temperature=0, max_tokens=3))
+            assert err.value.code() == StatusCode.UNAVAILABLE
+            assert "UNIMPLEMENTED" in err.value.details()
+            assert mux.closed
+    finally:
+        await server.stop(None)

@@ -46,7 +46,9 @@ class WorkerBase:
         if cores is not None:
             self.aengine.step_hooks.append(
                 lambda _: self.metrics.observe_cores(cores.steps_borrowing, cores.steps_lent))
-        self.inflight: set[str] = set()
+        # Request id -> the call serving it (a token of its own: an id started
+        # again while the old call winds down is the new call's, see ``release``).
+        self.inflight: dict[str, object] = {}
         # Requests this worker gave up at shutdown: their streams end with
         # UNAVAILABLE (Draining), not a finish reason, so the gateway moves them.
         self.evicted: set[str] = set()
@@ -122,6 +124,19 @@ class WorkerBase:
         found = request_id in self.inflight or self.engine.has_request(request_id)
         await self.aengine.abort(request_id)
         return found
+
+    def hold(self, request_id: str) -> object:
+        """Count ``request_id`` as in flight; returns the token ``release`` needs."""
+        token = self.inflight[request_id] = object()
+        return token
+
+    def release(self, request_id: str, token: object) -> None:
+        """The call holding ``token`` is over. An id that a newer call holds
+        by now (the client started it again at once) stays in flight, and
+        stays evicted if the drain evicted it."""
+        if self.inflight.get(request_id) is token:
+            del self.inflight[request_id]
+            self.evicted.discard(request_id)
 
     def held(self) -> list[str]:
         """Requests this worker still owes an answer or blocks to."""

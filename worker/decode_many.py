@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import AsyncIterator
 
 import grpc
 from opentelemetry import context as otel_context
 from opentelemetry import propagate
 
+from rpc.channel import MAX_MESSAGE_BYTES
 from rpc.errors import error_status
 from rpc.logs import request_id_var
 from rpc.protos import worker_pb2
@@ -48,6 +50,25 @@ class _Outbox:
         return items
 
 
+# A batch goes out in several messages past this size: one message over the
+# channel's limit would fail the stream, and with it every request on it.
+BATCH_BYTES = MAX_MESSAGE_BYTES // 4
+
+
+def _batches(items: list[worker_pb2.DecodeItem]) -> list[worker_pb2.DecodeBatch]:
+    """``items`` in as few messages as fit under ``BATCH_BYTES`` each."""
+    batches, start, size = [], 0, 0
+    for i, item in enumerate(items):
+        n = item.ByteSize() + 8  # the item's tag and length in the batch
+        if size + n > BATCH_BYTES and i > start:
+            batches.append(worker_pb2.DecodeBatch(items=items[start:i]))
+            start, size = i, 0
+        size += n
+    if start < len(items):
+        batches.append(worker_pb2.DecodeBatch(items=items[start:]))
+    return batches
+
+
 async def decode_many(worker: WorkerBase, controls: AsyncIterator[worker_pb2.DecodeControl],
                       ) -> AsyncIterator[worker_pb2.DecodeBatch]:
     """Serve one DecodeMany stream: start and cancel requests as the caller
@@ -69,10 +90,15 @@ async def decode_many(worker: WorkerBase, controls: AsyncIterator[worker_pb2.Dec
         except Exception as exc:
             code, end.message = error_status(exc)
             end.code = code.value[0]
-        finally:
-            del running[tag]
         # NOTE: not on cancellation: the caller cancelled it and waits for nothing.
         outbox.put(end)
+
+    def ended(tag: int, task: asyncio.Task) -> None:
+        # NOTE: a callback, not the task's own ``finally``: a task cancelled
+        # before its first step never runs its body.
+        if running.get(tag) is task:
+            del running[tag]
+        outbox.ready.set()  # the writer checks whether the stream is over
 
     async def read() -> None:
         try:
@@ -83,7 +109,8 @@ async def decode_many(worker: WorkerBase, controls: AsyncIterator[worker_pb2.Dec
                         tag=control.tag, end=True, code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
                         message=f"tag {control.tag} is already running on this stream"))
                 elif op == "start":
-                    running[control.tag] = asyncio.ensure_future(run(control.tag, control))
+                    task = running[control.tag] = asyncio.ensure_future(run(control.tag, control))
+                    task.add_done_callback(functools.partial(ended, control.tag))
                 elif op == "cancel" and control.tag in running:
                     running[control.tag].cancel()
         finally:
@@ -97,8 +124,8 @@ async def decode_many(worker: WorkerBase, controls: AsyncIterator[worker_pb2.Dec
     try:
         while True:
             items = await outbox.take()
-            if items:
-                yield worker_pb2.DecodeBatch(items=items)
+            for batch in _batches(items):
+                yield batch
             over = worker.drained.is_set() or helpers[0].done()
             if over and not running and not outbox.items:
                 return

@@ -157,6 +157,11 @@ def test_metrics_count_real_requests(traced):
     assert delta(pre, before[prefill.address], "vllm:prefix_cache_queries_total") > 0
     assert metric(dec, "vllm:kv_cache_usage_perc") == 0.0
     assert metric(dec, "tandem:kv_reservations_held") == 0
+    # The gateway decodes over one stream it keeps open, not a call per request.
+    assert metric(dec, "tandem:decode_streams") == 1
+    messages = delta(dec, before[decode.address], "tandem:decode_stream_messages_total")
+    chunks = delta(dec, before[decode.address], "tandem:decode_stream_chunks_total")
+    assert messages > 0 and chunks >= n
     for text in (pre, dec):
         assert metric(text, "vllm:num_requests_running") == 0
         assert metric(text, "vllm:num_requests_waiting") == 0

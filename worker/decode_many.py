@@ -120,16 +120,21 @@ async def decode_many(worker: WorkerBase, controls: AsyncIterator[worker_pb2.Dec
         await worker.drained.wait()
         outbox.ready.set()
 
+    metrics = worker.metrics
     helpers = [asyncio.ensure_future(read()), asyncio.ensure_future(watch_drain())]
+    metrics.decode_streams.inc()
     try:
         while True:
             items = await outbox.take()
             for batch in _batches(items):
+                metrics.decode_stream_messages.inc()
+                metrics.decode_stream_chunks.inc(sum(i.HasField("chunk") for i in batch.items))
                 yield batch
             over = worker.drained.is_set() or helpers[0].done()
             if over and not running and not outbox.items:
                 return
     finally:
+        metrics.decode_streams.dec()
         tasks = [*helpers, *running.values()]
         for task in tasks:
             task.cancel()

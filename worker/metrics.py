@@ -36,6 +36,16 @@ class WorkerMetrics(RequestMetrics):
         self.reservations_held = Gauge("tandem:kv_reservations_held",
                                        "Reservations waiting for their KV or their start",
                                        registry=r)
+        self.decode_streams = Gauge("tandem:decode_streams",
+                                    "Open DecodeMany streams (one per gateway that decodes here)",
+                                    registry=r)
+        self.decode_stream_messages = Counter(
+            "tandem:decode_stream_messages",
+            "Messages written on DecodeMany streams (each holds every request's new chunk)",
+            registry=r)
+        self.decode_stream_chunks = Counter(
+            "tandem:decode_stream_chunks", "Request chunks written on DecodeMany streams",
+            registry=r)
         self.reservations_expired = Counter("tandem:kv_reservations_expired",
                                             "Reservations whose lease ran out unused", registry=r)
         self.peer_bandwidth = Gauge("tandem:kv_transport_bandwidth_bytes_per_second",

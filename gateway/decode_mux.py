@@ -43,19 +43,16 @@ class MuxedDecode:
         self._tag = tag
         self._queue: asyncio.Queue = asyncio.Queue()
         self._last = None  # how the iteration ended: it ends that way again
-        self.done = False  # ended, failed or cancelled: nothing more to tell the worker
 
     def _deliver(self, item: worker_pb2.DecodeItem) -> None:
         if item.HasField("chunk"):
             self._queue.put_nowait(item.chunk)
         if item.end:
-            self.done = True
             code = _STATUS.get(item.code, grpc.StatusCode.UNKNOWN)
             self._queue.put_nowait(_END if code == grpc.StatusCode.OK
                                    else _rpc_error(code, item.message))
 
     def _fail(self, error: grpc.aio.AioRpcError) -> None:
-        self.done = True
         self._queue.put_nowait(error)
 
     def __aiter__(self) -> MuxedDecode:
@@ -75,15 +72,12 @@ class MuxedDecode:
     def cancel(self) -> None:
         """Stop the request on the worker; the iteration ends with
         ``CancelledError`` (as a cancelled call's does)."""
-        if not self.done:
-            self.close()
+        if self._mux._cancel(self._tag):
             self._queue.put_nowait(_CANCELLED)
 
     def close(self) -> None:
         """Done reading: a request still running on the worker is stopped."""
-        if not self.done:
-            self.done = True
-            self._mux._cancel(self._tag)
+        self._mux._cancel(self._tag)
 
 
 def open_mux(stub: worker_pb2_grpc.WorkerStub, address: str) -> DecodeMux:
@@ -118,9 +112,14 @@ class DecodeMux:
         self._controls.put_nowait(control)
         return decode
 
-    def _cancel(self, tag: int) -> None:
-        if self._requests.pop(tag, None) is not None and not self.closed:
+    def _cancel(self, tag: int) -> bool:
+        """Stop request ``tag`` if it still runs (True); a cancel goes to the
+        worker unless the stream has ended."""
+        if self._requests.pop(tag, None) is None:
+            return False  # it ended, failed or was cancelled already
+        if not self.closed:
             self._controls.put_nowait(worker_pb2.DecodeControl(tag=tag, cancel=True))
+        return True
 
     async def _send(self):
         while (control := await self._controls.get()) is not None:

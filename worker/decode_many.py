@@ -10,8 +10,7 @@ runs before the writer does: a batch is one engine step's chunks.
 Why: with a call per request, every token of every request was a gRPC message
 of its own (a write here, a wake-up and a read in the gateway), and that was
 the largest CPU cost on the serving path beside the engine itself, taken from
-the two cores the engine computes on. One message per step costs about as
-much as one of those did.
+the two cores the engine computes on.
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ import contextlib
 import functools
 from collections.abc import AsyncIterator
 
-import grpc
 from opentelemetry import context as otel_context
 from opentelemetry import propagate
 
@@ -33,21 +31,37 @@ from worker.base import WorkerBase
 
 
 class _Outbox:
-    """Items waiting for the writer; ``ready`` wakes it."""
+    """Items waiting for the writer, and how many of them carry a chunk;
+    ``ready`` wakes the writer."""
 
     def __init__(self) -> None:
         self.items: list[worker_pb2.DecodeItem] = []
+        self.chunks = 0
         self.ready = asyncio.Event()
 
     def put(self, item: worker_pb2.DecodeItem) -> None:
         self.items.append(item)
         self.ready.set()
 
-    async def take(self) -> list[worker_pb2.DecodeItem]:
+    def put_chunk(self, tag: int, chunk: worker_pb2.DecodeChunk) -> None:
+        self.chunks += 1
+        self.put(worker_pb2.DecodeItem(tag=tag, chunk=chunk))
+
+    async def take(self) -> tuple[list[worker_pb2.DecodeItem], int]:
+        """Every item so far, and the number of chunks among them."""
         await self.ready.wait()
         self.ready.clear()
         items, self.items = self.items, []
-        return items
+        chunks, self.chunks = self.chunks, 0
+        return items, chunks
+
+
+def _end(tag: int, error: Exception | None = None) -> worker_pb2.DecodeItem:
+    """The item that ends request ``tag``: with the status ``error`` stands for."""
+    if error is None:
+        return worker_pb2.DecodeItem(tag=tag, end=True)
+    code, message = error_status(error)
+    return worker_pb2.DecodeItem(tag=tag, end=True, code=code.value[0], message=message)
 
 
 # A batch goes out in several messages past this size: one message over the
@@ -56,17 +70,15 @@ BATCH_BYTES = MAX_MESSAGE_BYTES // 4
 
 
 def _batches(items: list[worker_pb2.DecodeItem]) -> list[worker_pb2.DecodeBatch]:
-    """``items`` in as few messages as fit under ``BATCH_BYTES`` each."""
-    batches, start, size = [], 0, 0
-    for i, item in enumerate(items):
-        n = item.ByteSize() + 8  # the item's tag and length in the batch
-        if size + n > BATCH_BYTES and i > start:
-            batches.append(worker_pb2.DecodeBatch(items=items[start:i]))
-            start, size = i, 0
-        size += n
-    if start < len(items):
-        batches.append(worker_pb2.DecodeBatch(items=items[start:]))
-    return batches
+    """``items`` as one message, or, past ``BATCH_BYTES``, halved until each
+    part fits (or is one item). One size check a step: the split is rare."""
+    if not items:
+        return []
+    batch = worker_pb2.DecodeBatch(items=items)
+    if len(items) == 1 or batch.ByteSize() <= BATCH_BYTES:
+        return [batch]
+    half = len(items) // 2
+    return _batches(items[:half]) + _batches(items[half:])
 
 
 async def decode_many(worker: WorkerBase, controls: AsyncIterator[worker_pb2.DecodeControl],
@@ -82,16 +94,15 @@ async def decode_many(worker: WorkerBase, controls: AsyncIterator[worker_pb2.Dec
         request_id_var.set(control.start.request_id)
         # The task's own context: decode's spans are children of the caller's.
         otel_context.attach(propagate.extract(dict(control.trace_context)))
-        end = worker_pb2.DecodeItem(tag=tag, end=True)
         try:
             async with contextlib.aclosing(worker.decode(control.start)) as chunks:
                 async for chunk in chunks:
-                    outbox.put(worker_pb2.DecodeItem(tag=tag, chunk=chunk))
+                    outbox.put_chunk(tag, chunk)
         except Exception as exc:
-            code, end.message = error_status(exc)
-            end.code = code.value[0]
-        # NOTE: not on cancellation: the caller cancelled it and waits for nothing.
-        outbox.put(end)
+            outbox.put(_end(tag, exc))
+        else:
+            outbox.put(_end(tag))
+        # NOTE: nothing on cancellation: the caller cancelled it and waits for nothing.
 
     def ended(tag: int, task: asyncio.Task) -> None:
         # NOTE: a callback, not the task's own ``finally``: a task cancelled
@@ -105,9 +116,8 @@ async def decode_many(worker: WorkerBase, controls: AsyncIterator[worker_pb2.Dec
             async for control in controls:
                 op = control.WhichOneof("op")
                 if op == "start" and control.tag in running:
-                    outbox.put(worker_pb2.DecodeItem(
-                        tag=control.tag, end=True, code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
-                        message=f"tag {control.tag} is already running on this stream"))
+                    outbox.put(_end(control.tag, ValueError(
+                        f"tag {control.tag} is already running on this stream")))
                 elif op == "start":
                     task = running[control.tag] = asyncio.ensure_future(run(control.tag, control))
                     task.add_done_callback(functools.partial(ended, control.tag))
@@ -125,10 +135,11 @@ async def decode_many(worker: WorkerBase, controls: AsyncIterator[worker_pb2.Dec
     metrics.decode_streams.inc()
     try:
         while True:
-            items = await outbox.take()
+            items, chunks = await outbox.take()
+            if chunks:
+                metrics.decode_stream_chunks.inc(chunks)
             for batch in _batches(items):
                 metrics.decode_stream_messages.inc()
-                metrics.decode_stream_chunks.inc(sum(i.HasField("chunk") for i in batch.items))
                 yield batch
             over = worker.drained.is_set() or helpers[0].done()
             if over and not running and not outbox.items:

@@ -8,9 +8,9 @@ step's outputs to the event loop in one callback, so every request's task
 runs before the writer does: a batch is one engine step's chunks.
 
 Why: with a call per request, every token of every request was a gRPC message
-of its own (a write here, a wake-up and a read in the gateway), and that was
-the largest CPU cost on the serving path beside the engine itself, taken from
-the two cores the engine computes on.
+of its own (a write here, a wake-up and a read in the gateway), CPU taken from
+the two cores the engine computes on; ``sendmsg`` alone was 40% of this
+loop's busy samples (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -165,11 +165,12 @@ class PrefillWorker(WorkerBase):
                 async for out in self.aengine.stream(request_id, add):
                     final = out
                     text += out.outputs[0].delta_text
+                if final is not None:  # before the span ends, or it keeps none of them
+                    span.set_attributes({"prompt_tokens": len(tokens),
+                                         "cached_tokens": final.num_cached_tokens,
+                                         "queue_s": _queue_seconds(final)})
             if final is None or final.outputs[0].finish_reason == "abort":
                 raise Fenced(f"request {request_id!r} was aborted during prefill")
-            span.set_attributes({"prompt_tokens": len(tokens),
-                                 "cached_tokens": final.num_cached_tokens,
-                                 "queue_s": _queue_seconds(final)})
             computed = True
             compute_end = time.perf_counter()
             comp = final.outputs[0]

@@ -106,6 +106,9 @@ def test_one_trace_spans_every_process(traced):
     send = by_name["kv_transfer.send"]["attributes"]
     assert send["transport"] == "grpc" and send["bytes"] > 0
     assert by_name["decode.generate"]["attributes"]["steps"] >= 1
+    compute = by_name["prefill.compute"]["attributes"]
+    assert compute["prompt_tokens"] > 0 and compute["cached_tokens"] == 0
+    assert compute["queue_s"] >= 0
     # The gateway's log line for the request carries both ids.
     # (Read from the gateway's pipe by another thread of this process: wait
     # for it rather than race it.)

@@ -331,8 +331,12 @@ class AsyncEngineLoop:
             self._post(self._finish_ops, ops, results, emitted)
         if self.engine.has_unfinished_requests():
             engine = self.engine
+            # NOTE: no borrowing while a prefill worker computes KV for this
+            # one: on a shared host it is likely the neighbour whose core a
+            # borrowed step would make it wait for (a step of this worker's).
             with (contextlib.nullcontext() if self.cores is None else
-                  self.cores.step(engine.has_backlog, engine.has_unfinished_requests)):
+                  self.cores.step(engine.has_backlog, engine.has_unfinished_requests,
+                                  borrow=not engine.awaits_remote_kv())):
                 try:
                     outputs.extend(engine.step())
                 except Exception as exc:

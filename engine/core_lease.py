@@ -94,12 +94,13 @@ class CoreLease:
         self.steps_borrowing = 0  # steps that ran on at least one borrowed core
         self.steps_lent = 0  # a waiting neighbour's steps this worker's cores were lent to
 
-    def begin_step(self, backlog: Callable[[], bool] | None = None) -> int:
+    def begin_step(self, backlog: Callable[[], bool] | None = None,
+                   borrow: bool = True) -> int:
         """Hold this worker's own cores (waiting for a borrower's step to
-        end), borrow whichever idle neighbours' cores are free (if
-        ``backlog()`` says so, wait up to ``wait_s`` for busy ones to lend
-        theirs; asked only then, not every step), and size torch's thread
-        team to match. Returns the thread count."""
+        end), borrow whichever idle neighbours' cores are free (unless
+        ``borrow`` is False; if ``backlog()`` says so, wait up to ``wait_s``
+        for busy ones to lend theirs; asked only then, not every step), and
+        size torch's thread team to match. Returns the thread count."""
         if self._holding_own and self._neighbour_waits():
             self._lend_one_step()  # then this step: a step of each, by turns
         if not self._holding_own:
@@ -107,7 +108,7 @@ class CoreLease:
                 fcntl.flock(self._claim[core], fcntl.LOCK_EX)
                 fcntl.flock(self._run[core], fcntl.LOCK_EX)  # a borrower's step at most
             self._holding_own = True
-        missing = [core for core in self.others if not self._borrow(core)]
+        missing = [core for core in self.others if not (borrow and self._borrow(core))]
         if missing and self.wait_s > 0 and backlog is not None and backlog():
             self._wait_for(missing)
         self.steps_borrowing += bool(self.borrowed)
@@ -116,10 +117,10 @@ class CoreLease:
 
     @contextlib.contextmanager
     def step(self, backlog: Callable[[], bool] | None = None,
-             busy: Callable[[], bool] | None = None) -> Iterator[None]:
+             busy: Callable[[], bool] | None = None, borrow: bool = True) -> Iterator[None]:
         """``begin_step`` and ``end_step`` around a block; ``busy()`` (None:
         not busy) is asked once it has run, however it ends."""
-        self.begin_step(backlog)
+        self.begin_step(backlog, borrow)
         try:
             yield
         finally:

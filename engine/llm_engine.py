@@ -260,6 +260,10 @@ class LLMEngine:
         prefill worker then asks its neighbours for cores)."""
         return self.scheduler.backlogged
 
+    def awaits_remote_kv(self) -> bool:
+        """Blocks are reserved for KV that a prefill worker computes now."""
+        return bool(self.scheduler.remote)
+
     def stats(self) -> EngineStats:
         kv = self.kv
         return EngineStats(

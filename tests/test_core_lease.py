@@ -112,6 +112,17 @@ def test_an_owner_with_work_waits_one_borrowed_step_then_keeps_its_core(tmp_path
         borrower.join(30)
 
 
+def test_a_step_told_not_to_borrow_leaves_an_idle_core_alone(tmp_path):
+    lease = CoreLease([0], [0, 1], tmp_path)  # nobody owns core 1: it is idle
+    try:
+        assert lease.begin_step(borrow=False) == 1 and lease.borrowed == []
+        assert torch.get_num_threads() == 1
+        lease.end_step(busy=True)
+        assert lease.begin_step() == 2 and lease.borrowed == [1]
+    finally:
+        lease.close()
+
+
 def test_a_dead_owner_frees_its_cores(tmp_path):
     neighbour, _, _ = _busy_neighbour(tmp_path)
     lease = CoreLease([0], [0, 1], tmp_path)

@@ -69,12 +69,13 @@ class DecodeWorker(WorkerBase):
 
         if request_id in self._reserving:
             raise ValueError(f"request id {request_id!r} is already in use")
-        # NOTE: the reservation lands on the engine thread; until this coroutine
-        # registers its lease, an Abort or a cancelled call would leave its
-        # blocks held by nobody. Both are caught here and the blocks freed.
+        # NOTE: the reservation may wait for the engine thread; until this
+        # coroutine registers its lease, an Abort or a cancelled call would
+        # leave its blocks held by nobody. Both are caught here and the
+        # blocks freed.
         self._reserving[request_id] = False
         try:
-            block_ids = await self.aengine.run(op)
+            block_ids = await self.aengine.run_concurrently(op)
         except asyncio.CancelledError:
             asyncio.ensure_future(self.aengine.abort(request_id))  # after the op, if it lands
             raise

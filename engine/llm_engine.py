@@ -17,6 +17,7 @@ What a request's blocks go through, by caller::
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -346,15 +347,18 @@ class LLMEngine:
 
     # ---- one step --------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, forward: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+             ) -> list[RequestOutput]:
         """Schedule, run the model, sample, and return the outputs of the
-        requests that got a token or finished."""
+        requests that got a token or finished. The model runs inside
+        ``forward()``; it reads the scheduler's output, never the scheduler
+        or the block tables themselves."""
         sched = self.scheduler.schedule()
         self.layer_streams.scheduled(sched)
         if not sched:
             self._forget_if_idle(sched)
             return []
-        with self.layer_streams.step(sched, self.runner.model):
+        with self.layer_streams.step(sched, self.runner.model), forward():
             result = self.runner.execute(sched)
         self.num_steps += 1
         outputs = self._process(self.scheduler.update(sched, result))

@@ -79,8 +79,9 @@ def test_tables_render():
     assert "| -  " in lines[3]  # vLLM did not run: no number, no ratio
     serving = harness.serving_table([
         {"server": "vLLM", "rate": "inf", "ok": 64, "failed": 0, "output_tok_s": 343.2,
-         "ttft_p50_ms": 3300.0, "tpot_p50_ms": 135.4, "load": "2.0"}])
+         "ttft_p50_ms": 3300.0, "ttft_mean_ms": 2950.0, "tpot_p50_ms": 135.4, "load": "2.0"}])
     assert "| 343 " in serving and "3.30 s" in serving and "135 ms" in serving
+    assert "| 2.95 s " in serving and "TTFT mean" in serving
     with pytest.raises(ValueError):
         harness.markdown_table(["a", "b"], [["1"]])
 
@@ -121,8 +122,8 @@ def test_each_serving_point_has_prompts_of_its_own():
 def test_repeated_serving_points_summarize_to_medians():
     serving = _load("serving")
     points = [{"rate": "inf", "ok": 64, "failed": 0, "output_tok_s": tok, "ttft_p50_ms": ttft,
-               "tpot_p50_ms": 70.0} for tok, ttft in ((700.0, 900.0), (760.0, 800.0),
-                                                         (730.0, 1000.0))]
+               "ttft_mean_ms": ttft + 50, "tpot_p50_ms": 70.0}
+              for tok, ttft in ((700.0, 900.0), (760.0, 800.0), (730.0, 1000.0))]
     points.append({"rate": "6.0", "ok": 63, "failed": 1, "output_tok_s": 300.0,
                    "ttft_p50_ms": 90.0, "tpot_p50_ms": 30.0})
     points.append({"rate": "6.0", "ok": 0, "failed": 64, "output_tok_s": 0.0,
@@ -131,6 +132,7 @@ def test_repeated_serving_points_summarize_to_medians():
     assert [r["rate"] for r in rows] == ["inf", "6.0"]
     assert (rows[0]["output_tok_s"], rows[0]["ttft_p50_ms"], rows[0]["ok"]) == (730.0, 900.0, 192)
     assert rows[1]["failed"] == 65 and rows[1]["repeats"] == 2
+    assert rows[0]["ttft_mean_ms"] == 950.0
     assert rows[1]["ttft_p50_ms"] == 90.0  # the run that completed nothing has no TTFT
     table = harness.serving_table(rows)
     assert "700 / 760 / 730" in table and "| 730 " in table

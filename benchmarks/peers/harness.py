@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import random
 from dataclasses import dataclass
 
@@ -124,14 +125,25 @@ def offline_table(rows: list[dict]) -> str:
 
 
 def serving_table(rows: list[dict]) -> str:
-    """``rows``: one per (server, request rate) with ok/failed counts, output tok/s and p50
-    TTFT/TPOT in milliseconds; with ``output_tok_s_each`` (several repetitions),
-    the figures are medians and each repetition's tok/s gets a column."""
+    """``rows``: one per (server, request rate) with ok/failed counts, output tok/s, p50
+    TTFT/TPOT and mean TTFT in milliseconds; with ``output_tok_s_each`` (several
+    repetitions), the figures are medians and each repetition's tok/s gets a
+    column.
+
+    NOTE: the mean TTFT is there because a burst's p50 is not stable: its
+    first tokens come in one cluster per prefill step, and when the median
+    falls between two clusters, one request more or less in a step moves it
+    by half a step (docs/benchmarks.md, 4 December 2026, ninth session)."""
     each = any(len(r.get("output_tok_s_each", [])) > 1 for r in rows)
-    headers = ["server", "request rate", "ok/failed", "output tok/s", "TTFT p50", "TPOT p50",
-               *(["tok/s of each run"] if each else []), "load avg"]
+    headers = ["server", "request rate", "ok/failed", "output tok/s", "TTFT p50", "TTFT mean",
+               "TPOT p50", *(["tok/s of each run"] if each else []), "load avg"]
     body = [[r["server"], r["rate"], f"{r['ok']}/{r['failed']}", f"{r['output_tok_s']:.0f}",
-             f"{r['ttft_p50_ms'] / 1000:.2f} s", f"{r['tpot_p50_ms']:.0f} ms",
+             f"{r['ttft_p50_ms'] / 1000:.2f} s", _seconds(r.get("ttft_mean_ms")),
+             f"{r['tpot_p50_ms']:.0f} ms",
              *([" / ".join(f"{v:.0f}" for v in r.get("output_tok_s_each", []))] if each else []),
              r.get("load", "-")] for r in rows]
     return markdown_table(headers, body)
+
+
+def _seconds(ms: float | None) -> str:
+    return "-" if ms is None or math.isnan(ms) else f"{ms / 1000:.2f} s"

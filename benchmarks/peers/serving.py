@@ -119,13 +119,14 @@ def summarize(server: str, points: list[dict], load: str) -> list[dict]:
 
     def median(key: str, reps: list[dict]) -> float:
         # A run with no completions has no percentiles (NaN): leave it out.
-        values = [p[key] for p in reps if not math.isnan(p[key])]
+        values = [p[key] for p in reps if key in p and not math.isnan(p[key])]
         return statistics.median(values) if values else math.nan
 
     return [{"server": SERVERS[server], "rate": rate, "repeats": len(reps),
              "ok": sum(p["ok"] for p in reps), "failed": sum(p["failed"] for p in reps),
              "output_tok_s": median("output_tok_s", reps),
              "ttft_p50_ms": median("ttft_p50_ms", reps),
+             "ttft_mean_ms": median("ttft_mean_ms", reps),
              "tpot_p50_ms": median("tpot_p50_ms", reps),
              "output_tok_s_each": [p["output_tok_s"] for p in reps], "load": load}
             for rate, reps in by_rate.items()]
@@ -175,7 +176,8 @@ def run_serving(args: argparse.Namespace, out_dir: Path, model_dir: Path
                         point = {"rate": p.rate_label, "stream_hash": p.stream_hash,
                                  "ok": m.completed, "failed": m.failed,
                                  "output_tok_s": m.output_throughput,
-                                 "ttft_p50_ms": m.ttft.median, "tpot_p50_ms": m.tpot.median,
+                                 "ttft_p50_ms": m.ttft.median, "ttft_mean_ms": m.ttft.mean,
+                                 "tpot_p50_ms": m.tpot.median,
                                  "ttft_p99_ms": m.ttft.p99, "e2e_p50_ms": m.e2e.median,
                                  "duration_s": m.duration_s,
                                  "errors": [r.error for r in p.result.records if r.error][:3]}

@@ -75,7 +75,9 @@ class DecodeWorker(WorkerBase):
         # blocks freed.
         self._reserving[request_id] = False
         try:
-            block_ids = await self.aengine.run_concurrently(op)
+            run = (self.aengine.run_concurrently if self.engine.reserves_during_forward
+                   else self.aengine.run)
+            block_ids = await run(op)
         except asyncio.CancelledError:
             asyncio.ensure_future(self.aengine.abort(request_id))  # after the op, if it lands
             raise

@@ -265,6 +265,16 @@ class LLMEngine:
         """Blocks are reserved for KV that a prefill worker computes now."""
         return bool(self.scheduler.remote)
 
+    @property
+    def reserves_during_forward(self) -> bool:
+        """Whether ``reserve_remote`` may run while a forward pass does
+        (``AsyncEngineLoop.run_concurrently``): it reads and writes only the
+        scheduler's and the block pool's bookkeeping, unless a host KV tier
+        is attached. Then a block it evicts is copied out of the cache: on
+        a GPU a copy beside the step's kernels, under tensor parallelism a
+        collective beside the step's own."""
+        return self.kv.host_tier is None
+
     def stats(self) -> EngineStats:
         kv = self.kv
         return EngineStats(

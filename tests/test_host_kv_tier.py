@@ -54,6 +54,8 @@ def test_a_prefix_evicted_to_host_memory_is_served_from_there(tmp_path):
     llm.generate([other], GREEDY, use_tqdm=False)
     stats = engine.stats()
     assert stats.host_tier_restored_blocks == 0 and stats.host_tier_bytes > 0
+    # Evictions copy KV out of the cache: reservations wait for the step.
+    assert not engine.reserves_during_forward and plain.engine.reserves_during_forward
     again = llm.generate([first], GREEDY, use_tqdm=False)[0]
     # All of the prompt's full blocks but the last token's come back: nothing
     # of them is recomputed, and the tokens are the same.

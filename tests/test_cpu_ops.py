@@ -54,6 +54,24 @@ def test_rms_norm_matches_reference(rows, with_residual, dtype):
     assert torch.equal(layer_out, out)
 
 
+def test_the_residual_add_rounds_every_bfloat16_as_torch():
+    """Ties, subnormals (which a CPU's one-instruction conversion reads as
+    zero), infinities and NaNs: the summed residual equals torch's bits."""
+    bits = torch.arange(0, 1 << 16, dtype=torch.int32).to(torch.int16)
+    x = bits.view(torch.bfloat16).reshape(-1, 512)  # every bfloat16 value
+    # Sums that land halfway between two bfloat16 values, and subnormal ones.
+    other = torch.full_like(x, 2.0**-9).to(torch.bfloat16)
+    other[::2] = torch.tensor(1e-39).to(torch.bfloat16)
+    weight = torch.ones(512, dtype=torch.bfloat16)
+    _, res = cpu_ops.rms_norm(x, weight, 1e-5, other)
+    want = (x.float() + other.float()).to(torch.bfloat16)
+    same = (res.view(torch.int16) == want.view(torch.int16)) | (res.isnan() & want.isnan())
+    assert bool(same.all()), f"{int((~same).sum())} sums rounded apart from torch"
+    assert torch.equal(res.isnan(), want.isnan())
+    _, copied = cpu_ops.rms_norm(x, weight, 1e-5)  # no residual: x itself, bit for bit
+    assert torch.equal(copied.view(torch.int16), x.view(torch.int16))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", [1, 5, 300])
 def test_rotary_in_place_is_bit_identical(tokens, dtype):

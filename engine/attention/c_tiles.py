@@ -30,10 +30,7 @@ static inline __attribute__((always_inline)) vf load(const void *p, int dtype) {
     if (dtype == F32) {
         memcpy(&x, p, sizeof x);
     } else {
-        vh h;
-        memcpy(&h, p, sizeof h);
-        vu u = __builtin_convertvector(h, vu) << 16;
-        memcpy(&x, &u, sizeof x);
+        x = bf16_load16((const uint16_t *)p);
     }
     return x;
 }

@@ -136,3 +136,23 @@ def test_repeated_serving_points_summarize_to_medians():
     assert rows[1]["ttft_p50_ms"] == 90.0  # the run that completed nothing has no TTFT
     table = harness.serving_table(rows)
     assert "700 / 760 / 730" in table and "| 730 " in table
+
+
+def test_a_burst_keeps_every_completed_requests_ttft():
+    from tandem.bench.metrics import RequestRecord, compute_metrics
+    from tandem.bench.runner import RunResult
+    from tandem.bench.serve import RatePoint
+
+    serving = _load("serving")
+    records = [RequestRecord(prompt_len=4, start=0.0, end=1.0, chunk_times=[0.15, 0.5],
+                             chunk_tokens=[1, 1]),
+               RequestRecord(prompt_len=4, start=0.01, end=1.2, chunk_times=[0.46, 0.9],
+                             chunk_tokens=[1, 1]),
+               RequestRecord(prompt_len=4, start=0.02, end=0.03, error="HTTP 429")]
+    result = RunResult(records, 1.2)
+    point = serving.point_record(RatePoint(float("inf"), "abc", result,
+                                           compute_metrics(records, 1.2)))
+    assert point["ttft_each_ms"] == [150.0, 450.0]  # arrival order; the failed one has none
+    assert (point["ok"], point["failed"], point["errors"]) == (2, 1, ["HTTP 429"])
+    assert point["ttft_mean_ms"] == pytest.approx(300.0)
+    assert point["rate"] == "inf" and point["stream_hash"] == "abc"

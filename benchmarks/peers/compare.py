@@ -18,7 +18,8 @@ offline   ``LLM.generate`` of each system on seeded random-token workloads, prom
 serving   vLLM's OpenAI server, Tandem colocated (``tandem up --prefill 0 --decode 1``) and
           disaggregated (``--prefill 1 --decode 1``), each driven by Tandem's load generator
           (``tandem.bench``: one client for all) at request rate inf and a Poisson rate:
-          output tok/s, TTFT p50, TPOT p50.
+          output tok/s, TTFT p50 and mean, TPOT p50; results.json also keeps each
+          completed request's TTFT (a burst's prefill steps show as its clusters).
 
 Results (JSON, a Markdown table, and PNG plots when matplotlib is there) go to
 ``--result-dir`` (default ``bench_results/peers/<time>``). The machine is shared: each run

@@ -110,6 +110,22 @@ def serving_plan(args: argparse.Namespace) -> list:
     return plan
 
 
+def point_record(p) -> dict:
+    """What results.json keeps of one burst (a ``tandem.bench.serve.RatePoint``):
+    its figures, and every completed request's TTFT in arrival order, where
+    a burst's prefill steps show as clusters of first tokens."""
+    m = p.metrics
+    return {"rate": p.rate_label, "stream_hash": p.stream_hash,
+            "ok": m.completed, "failed": m.failed,
+            "output_tok_s": m.output_throughput,
+            "ttft_p50_ms": m.ttft.median, "ttft_mean_ms": m.ttft.mean,
+            "tpot_p50_ms": m.tpot.median,
+            "ttft_p99_ms": m.ttft.p99, "e2e_p50_ms": m.e2e.median,
+            "duration_s": m.duration_s,
+            "ttft_each_ms": [round(r.ttft * 1000.0, 1) for r in p.result.records if r.ok],
+            "errors": [r.error for r in p.result.records if r.error][:3]}
+
+
 def summarize(server: str, points: list[dict], load: str) -> list[dict]:
     """One row per request rate: the median over its repetitions of each
     figure, and every repetition's tok/s."""
@@ -170,18 +186,9 @@ def run_serving(args: argparse.Namespace, out_dir: Path, model_dir: Path
                     run["startup_s"] = time.monotonic() - t0
                     print(f" up in {run['startup_s']:.0f}s", flush=True)
                     points = asyncio.run(drive(url, model, plan, args))
-                    run["points"] = []
+                    run["points"] = [point_record(p) for p in points]
                     for p in points:
                         m = p.metrics
-                        point = {"rate": p.rate_label, "stream_hash": p.stream_hash,
-                                 "ok": m.completed, "failed": m.failed,
-                                 "output_tok_s": m.output_throughput,
-                                 "ttft_p50_ms": m.ttft.median, "ttft_mean_ms": m.ttft.mean,
-                                 "tpot_p50_ms": m.tpot.median,
-                                 "ttft_p99_ms": m.ttft.p99, "e2e_p50_ms": m.e2e.median,
-                                 "duration_s": m.duration_s,
-                                 "errors": [r.error for r in p.result.records if r.error][:3]}
-                        run["points"].append(point)
                         print(f"    rate {p.rate_label}: {m.output_throughput:.1f} output tok/s,"
                               f" TTFT p50 {m.ttft.median / 1000:.2f}s, TPOT p50 "
                               f"{m.tpot.median:.0f}ms, {m.completed} ok / {m.failed} failed",

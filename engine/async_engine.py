@@ -33,30 +33,11 @@ from engine.core_lease import CoreLease
 from engine.errors import EngineUnusable
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
+from engine.request_stream import RequestStream
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("engine")
 T = TypeVar("T")
-
-
-class _Stream:
-    """A request's stream: its queue, and the number of the op that added it.
-
-    A request id can be used again once its request has ended (a retry on
-    the same worker, started while the old request's abort is queued). Each
-    output is stamped with the number of the last op run before it was made;
-    one stamped before the add is the old request's, still on its way to the
-    event loop, and is dropped."""
-
-    __slots__ = ("queue", "since")
-
-    def __init__(self) -> None:
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.since = -1  # set on the engine thread by the add
-
-    def put(self, item: Any, stamp: int) -> None:
-        if stamp >= self.since >= 0:
-            self.queue.put_nowait(item)
 
 
 class AsyncEngineLoop:
@@ -79,7 +60,7 @@ class AsyncEngineLoop:
         # forward pass (and while idle): run_concurrently's calls take it.
         self._state = threading.Lock()
         self._stop = False
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, RequestStream] = {}
         self._ops_run = 0  # ops run so far, counted on the engine thread
         self._thread: threading.Thread | None = None  # started by the first op
         self._closed = False
@@ -160,7 +141,7 @@ class AsyncEngineLoop:
         produced itself). Leaving early aborts the request."""
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        stream = _Stream()
+        stream = RequestStream()
         # Registered before the add: the add's own step may already produce output.
         self._streams[request_id] = stream
 

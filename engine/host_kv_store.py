@@ -5,11 +5,15 @@ cache is on a GPU), copied to and from the device cache through its
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 
+from engine.host_kv_tier import HostKVTier
 from engine.kv_blocks import KVBlockView
+
+logger = logging.getLogger("engine")
 
 
 def host_memory_bytes() -> int:
@@ -37,3 +41,15 @@ class HostKVStore:
 
     def copy_in(self, slot: int, device_block: int) -> None:
         self.blocks.write([device_block], self.data[:, :, slot : slot + 1].to(self.blocks.device))
+
+
+def host_tier(gib: float, runner, num_layers: int, tp_size: int) -> HostKVTier | None:
+    """The host tier of ``gib`` GiB under a runner's KV cache (``cache.
+    host_kv_cache_gib``; None for 0), its bytes in a ``HostKVStore``."""
+    if not gib:
+        return None
+    block_bytes = runner.block_bytes * tp_size
+    slots = int(gib * 2**30) // block_bytes
+    store = HostKVStore(runner.kv_blocks, num_layers, max(slots, 1))
+    logger.info("host KV tier: %d blocks (%.2f GiB)", slots, slots * block_bytes / 2**30)
+    return HostKVTier(slots, block_bytes, store.copy_out, store.copy_in)

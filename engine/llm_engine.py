@@ -24,15 +24,14 @@ from collections.abc import Callable, Sequence
 
 from engine.completions import split_completions
 from engine.config import EngineConfig
-from engine.host_kv_store import HostKVStore
-from engine.host_kv_tier import HostKVTier
+from engine.host_kv_store import host_tier
 from engine.kv_cache_manager import KVCacheManager
 from engine.layer_streams import LayerKVSink, LayerStreams
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
 from engine.outputs import EngineStats, KVProgress, RequestOutput
 from engine.request import Request, RequestStatus
-from engine.request_checks import check_request
+from engine.request_checks import check_request, prompt_token_ids
 from engine.resolved import eos_token_ids, resolve_model
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -66,7 +65,10 @@ class LLMEngine:
         self.kv = KVCacheManager(self.runner.num_blocks, cache.block_size,
                                  cache.enable_prefix_caching)
         self.spec = make_spec_decoder(config, self.model_config, self.max_model_len)
-        self._attach_host_tier()
+        tier = host_tier(cache.host_kv_cache_gib, self.runner, self.model_config.num_layers,
+                         config.tensor_parallel_size)
+        if tier is not None:
+            self.kv.attach_host_tier(tier)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.spec)
         self.layer_streams = LayerStreams(self.scheduler, self.kv)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -314,15 +316,7 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass prompt token ids")
             return prompt, self.tokenizer.encode(prompt)
-        if not isinstance(prompt, Sequence):  # e.g. LLM.generate([1.5]): a TypeError otherwise
-            raise ValueError(
-                f"a prompt must be a string or a list of integer token ids, "
-                f"got {type(prompt).__name__}"
-            )
-        token_ids = list(prompt)
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
-            raise ValueError("prompt token ids must be integers")
-        return None, token_ids
+        return None, prompt_token_ids(prompt)
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
         """ValueError unless this engine can serve the request (the gateway
@@ -396,16 +390,3 @@ class LLMEngine:
         """``callback()`` (from any thread) once the engine can no longer
         step: its tensor-parallel group broke (EngineUnusable)."""
         self.runner.tp.on_broken.append(callback)
-
-    # ---- config ------------------------------------------------------------------
-
-    def _attach_host_tier(self) -> None:
-        """``cache.host_kv_cache_gib`` of host memory under the prefix cache."""
-        gib = self.config.cache.host_kv_cache_gib
-        if not gib:
-            return
-        block_bytes = self.runner.block_bytes * self.config.tensor_parallel_size
-        slots = int(gib * 2**30) // block_bytes
-        store = HostKVStore(self.runner.kv_blocks, self.model_config.num_layers, max(slots, 1))
-        self.kv.attach_host_tier(HostKVTier(slots, block_bytes, store.copy_out, store.copy_in))
-        logger.info("host KV tier: %d blocks (%.2f GiB)", slots, slots * block_bytes / 2**30)

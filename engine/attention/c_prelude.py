@@ -63,6 +63,7 @@ VINLINE uint16_t bf16_out(float f) { /* round to nearest even, as torch */
 }
 
 /* 16 bfloat16 values in and out at once; the same rounding as bf16_out. */
+
 /* 16 bfloat16 bit patterns as the float32 values they are. */
 VINLINE vf bf16_widen16(vh h) {
     vf f;

@@ -315,11 +315,16 @@ def main(argv: list[str] | None = None) -> dict:
         "decode_tiles": [],
         "prefill": [],
     }
+
+    def save() -> None:  # after every section: a run cut short keeps what it measured
+        Path(args.out).write_text(json.dumps(result, indent=2))
+
     for batch in DECODE_BATCHES:
         for ctx in DECODE_CONTEXTS:
             result["decode"].append(bench_decode(batch, ctx, peak_bw, device))
             print(f"decode batch {batch} ctx {ctx} done", flush=True)
             torch.cuda.empty_cache()
+    save()
     batch, ctx, _ = TARGET
     for block_n in (32, 64, 128):
         for num_splits in (1, 2, 4):
@@ -328,18 +333,23 @@ def main(argv: list[str] | None = None) -> dict:
             )
             result["decode_tiles"].append(row)
     torch.cuda.empty_cache()
+    save()
     for case in PREFILL_CASES:
         result["prefill"].append(bench_prefill(*case, peak_flops, device))
         print(f"prefill {case} done", flush=True)
         torch.cuda.empty_cache()
+    save()
 
     result["layers"] = bench_layers(device)
     print("fused layers done", flush=True)
+    save()
     result["quant_matmul"] = bench_quant_matmul(device)
     print("quantized matmul done", flush=True)
+    save()
     torch.cuda.empty_cache()
     result["scaled_matmul"] = bench_scaled_matmul(device)
     print("8-bit weight matmul done", flush=True)
+    save()
     torch.cuda.empty_cache()
 
     if not args.skip_engine:
@@ -349,7 +359,8 @@ def main(argv: list[str] | None = None) -> dict:
         for eager in (False, True):  # CUDA graphs, then eager: what graphs buy
             result["engine_decode"] += bench_engine_decode([1, 16, 64, 256], enforce_eager=eager)
             torch.cuda.empty_cache()
-    Path(args.out).write_text(json.dumps(result, indent=2))
+            save()
+    save()
     print_tables(result, TARGET)
     for r in result.get("engine_decode", []):
         mode = "graphs" if r["cuda_graphs"] else "eager "

@@ -98,7 +98,6 @@ def test_compiled_quant_matmul_matches_reference(dtype):
                                    rtol=3e-2)
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("weights", [torch.int8, torch.float8_e4m3fn])
 def test_compiled_scaled_matmul_matches_reference(dtype, weights):
@@ -146,6 +145,7 @@ def test_compressed_tensors_models_on_gpu_match_cpu(tmp_path, method, bits, grou
     assert outputs["cuda"] == outputs["cpu"]
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_tensor_parallel_over_nccl_matches_one_gpu(tmp_path):
     from tiny_models import build_tiny_model
 

@@ -29,12 +29,17 @@ def _round_to_fp8(x, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr):
     NOTE: the Triton interpreter's float32 -> fp8 rounding drops the carry when
     the mantissa rounds up (7.9 becomes 4.0); rounding here first makes the
     stored bytes the same as torch's on every device.
+
+    The magnitude is rounded and the sign put back, so that a negative value
+    that rounds to zero stays -0 (byte 0x80), as torch's cast keeps it.
     """
     bits = x.to(tl.int32, bitcast=True)
     exp = tl.maximum(((bits >> 23) & 0xFF) - 127, MIN_EXP)  # subnormals share MIN_EXP's step
     step = ((exp - MANTISSA + 127) << 23).to(tl.float32, bitcast=True)
     magic = 12582912.0  # 1.5 * 2**23: adding and subtracting it rounds to an integer, ties even
-    return ((x / step + magic) - magic) * step
+    rounded = ((tl.abs(x) / step + magic) - magic) * step
+    sign = (bits >> 31) << 31  # arithmetic shift: the sign bit alone
+    return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit

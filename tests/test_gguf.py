@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import logging
+import sys
 from pathlib import Path
 
 import gguf
@@ -478,3 +479,18 @@ def test_smollm2_chat_template_renders(smollm: tuple[Path, Path]) -> None:
     assert prompt.startswith("<|im_start|>system\n")
     ids = Tokenizer.from_file(str(out / "tokenizer.json")).encode(prompt).ids
     assert ids[0] == 1 and ids.count(2) == 2  # <|im_start|> and <|im_end|> stay whole
+
+
+def test_a_hugging_face_directory_loads_without_the_gguf_package(monkeypatch):
+    """Only GGUF files need the gguf package: a machine without it (a GPU
+    image, say) still loads a safetensors directory."""
+    from engine_fixtures import tiny
+
+    from engine.loader.resolve import resolve_model_dir
+
+    model_dir = tiny("llama-gqa")[0]
+    for name in ("gguf", "engine.loader.gguf_convert"):
+        monkeypatch.setitem(sys.modules, name, None)  # any import of it now fails
+    with pytest.raises(ImportError):
+        import engine.loader.gguf_convert  # noqa: F401
+    assert resolve_model_dir(model_dir) == model_dir

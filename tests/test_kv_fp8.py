@@ -99,6 +99,7 @@ def test_triton_store_is_bit_exact_with_the_reference(dtype):
     v_cache = torch.zeros_like(k_cache)
     key = randn(7, 2, 64, dtype=torch.float32, seed=2) * 300  # some beyond e4m3's 448
     value = randn(7, 2, 64, dtype=torch.float32, seed=3)
+    value[0, 0, :4] = torch.tensor([-1e-9, 1e-9, -0.0, 0.0])  # a negative rounds to -0 (0x80)
     slots = torch.tensor([13, 2, -1, 23, 0, -1, 4])
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     reference.store_kv(key, value, k_ref, v_ref, slots, K_SCALE, V_SCALE)

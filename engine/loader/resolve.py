@@ -15,7 +15,6 @@ def resolve_model_dir(model: str | Path | None, allow_no_weights: bool = False) 
     directory holding exactly one) is converted once and cached.
     """
     from engine.loader.default_model import default_model_path
-    from engine.loader.gguf_convert import convert_gguf
 
     path = default_model_path() if model is None else Path(model).expanduser()
     if not path.exists():
@@ -23,15 +22,23 @@ def resolve_model_dir(model: str | Path | None, allow_no_weights: bool = False) 
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"{path} is not a model: give a directory or a .gguf file")
-        return convert_gguf(path)
+        return _convert_gguf(path)
     if (path / "config.json").is_file():
         if not safetensors_files(path) and not allow_no_weights:
             raise ValueError(f"{path} has a config.json but no .safetensors weights")
         return path
     ggufs = sorted(path.glob("*.gguf"))
     if len(ggufs) == 1:
-        return convert_gguf(ggufs[0])
+        return _convert_gguf(ggufs[0])
     raise ValueError(f"{path} holds no supported model (config.json + safetensors, or one .gguf)")
+
+
+def _convert_gguf(path: Path) -> Path:
+    # Imported here: the gguf package is needed for GGUF files alone, not to
+    # load a Hugging Face directory.
+    from engine.loader.gguf_convert import convert_gguf
+
+    return convert_gguf(path)
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:

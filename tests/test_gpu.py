@@ -49,7 +49,9 @@ def test_engine_on_gpu_matches_cpu(tmp_path):
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     outputs = {}
     for device in ("cpu", "cuda"):
-        llm = LLM(str(model_dir), device=device, num_blocks=64, block_size=16)
+        # float32 on both: "auto" is bfloat16 on either device, where the two
+        # devices' kernels may round a near-tie apart.
+        llm = LLM(str(model_dir), device=device, dtype="float32", num_blocks=64, block_size=16)
         outputs[device] = [o.outputs[0].token_ids
                            for o in llm.generate(prompts, params, use_tqdm=False)]
     assert outputs["cuda"] == outputs["cpu"]
@@ -184,7 +186,7 @@ def test_compiled_fp8_store_and_decode_match_reference(fp8):
     store_kv(key, value, k_cache, v_cache, slots, k_scale=0.5, v_scale=2.0)
     assert torch.equal(k_cache.cpu().view(torch.uint8), k_ref_cpu.view(torch.uint8))
     assert torch.equal(v_cache.cpu().view(torch.uint8), v_ref_cpu.view(torch.uint8))
-    seq_lens = torch.tensor([1, 15, 17, 700], device="cuda", dtype=torch.int32)
+    seq_lens = torch.tensor([1, 15, 17, 250], device="cuda", dtype=torch.int32)  # <= 16 blocks
     tables = torch.randperm(num_blocks, device="cuda")[: 4 * 16].view(4, 16).int()
     query = torch.randn(4, heads, dim, device="cuda", dtype=torch.bfloat16)
     out = paged_decode_attention(query, k_cache, v_cache, tables, seq_lens, dim**-0.5,
@@ -208,15 +210,15 @@ def test_cpu_offload_streams_layers_and_keeps_the_tokens(tmp_path):
         probe = LLM(str(model_dir), device="cuda", num_blocks=64, block_size=16)
         layer_bytes = param_bytes(probe.engine.runner.model.layers[0])
         del probe
-        gb = 2 * layer_bytes / GB if offload else 0.0
+        gb = layer_bytes / GB if offload else 0.0  # the first of the tiny model's two layers
         llm = LLM(str(model_dir), device="cuda", num_blocks=64, block_size=16, cpu_offload_gb=gb)
         shard = llm.engine.runner.shard
         if offload:
-            assert shard.offload.num_layers == 2 and llm.engine.runner.decode_graphs is None
+            assert shard.offload.num_layers == 1 and llm.engine.runner.decode_graphs is None
         outputs[offload] = [o.outputs[0].token_ids
                             for o in llm.generate(prompts, params, use_tqdm=False)]
         if offload:  # between forwards the offloaded weights are pinned host tensors
             for p in shard.model.layers[0].parameters():
                 assert p.device.type == "cpu" and p.is_pinned()
-            assert next(shard.model.layers[2].parameters()).device.type == "cuda"
+            assert next(shard.model.layers[1].parameters()).device.type == "cuda"
     assert outputs[True] == outputs[False]

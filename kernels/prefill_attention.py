@@ -191,11 +191,16 @@ def _prefill_kernel(
 
 
 def _default_tiles(head_dim: int) -> tuple[int, int, int]:
-    """(block_m, block_n, num_warps) for the GPU."""
+    """(block_m, block_n, num_warps) for the GPU.
+
+    Head dim 128: the best of 36 launches over kernels_gpu.py's prefill cases
+    on an H200 (benchmarks/prefill_tiles_gpu.py; docs/benchmarks.md), 1.15x
+    the earlier (128, 64, 8) by geometric mean.
+    """
     if head_dim <= 64:
         return 128, 64, 4
     if head_dim <= 128:
-        return 128, 64, 8
+        return 128, 32, 4
     return 64, 32, 8
 
 
@@ -212,6 +217,8 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
@@ -223,7 +230,8 @@ def paged_prefill_attention(
     sequence are left untouched. ``max_query_len`` bounds the new tokens per
     sequence (it sizes the grid); without it, it is read back from the
     device. ``block_m`` (rows = tokens x group heads) and ``block_n`` (keys)
-    are tile sizes for tuning and tests. ``k_scale``/``v_scale``: the scales
+    are tile sizes, ``num_warps`` and ``num_stages`` the launch's, for tuning
+    (benchmarks/prefill_tiles_gpu.py) and tests. ``k_scale``/``v_scale``: the scales
     of an fp8 cache (ignored otherwise).
     """
     _, block_size, num_kv_heads, head_dim = check_cache_pair(k_cache, v_cache)
@@ -252,7 +260,7 @@ def paged_prefill_attention(
 
     group = num_heads // num_kv_heads
     group_pad = next_power_of_2(group)
-    gpu_m, gpu_n, num_warps = _default_tiles(head_dim)
+    gpu_m, gpu_n, gpu_warps = _default_tiles(head_dim)
     block_m = check_tile("block_m", block_m if block_m is not None else max(gpu_m, group_pad))
     block_n = check_tile("block_n", block_n if block_n is not None else gpu_n)
     if block_m < group_pad:
@@ -294,7 +302,7 @@ def paged_prefill_attention(
         BLOCK_N=block_n,
         LOWP_DOT=lowp_dot(query.dtype, device),
         KV_FP8=k_cache.dtype != query.dtype,
-        num_warps=num_warps,
-        num_stages=3,
+        num_warps=num_warps or gpu_warps,
+        num_stages=num_stages or 3,
     )
     return out

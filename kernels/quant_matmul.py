@@ -3,10 +3,19 @@
 Decoding reads every weight once per step, so a 4-bit weight moves a quarter
 of the bytes of a 16-bit one. The kernel never writes ``W`` out: each program
 owns a ``[BLOCK_M, BLOCK_N]`` tile of the output and, per ``BLOCK_K`` slice
-of the input dimension, loads the packed words, shifts each row's integer
-out, dequantizes it with its group's scale and zero point (``g_idx`` names
-the group, so act-order checkpoints need nothing special) and feeds
-``tl.dot``. Same semantics as ``reference.quant_matmul``.
+of the input dimension, loads the slice's packed words once, shifts each
+row's integer out of them, dequantizes it with its group's scale and zero
+point (``g_idx`` names the group, so act-order checkpoints need nothing
+special) and feeds ``tl.dot``. When every aligned ``BLOCK_K`` slice lies in
+one group (``uniform_rows``: the checkpoint's rows are in order), the
+slice's scales and zero points are one row each, loaded once rather than per
+input row. Same semantics as ``reference.quant_matmul``.
+
+Launches measured on an H200 at Llama-3-8B's gate/up (4096 -> 28672, groups
+of 128; benchmarks/quant_tiles_gpu.py, docs/benchmarks.md): at 1-16 tokens
+(block_n 64, block_k 128) reads the weights at about 800 GB/s, 2.6x the
+kernel that loaded scales and packed words per input row; from 64 tokens
+on (128, 64) is best.
 """
 
 from __future__ import annotations
@@ -43,28 +52,39 @@ def _quant_matmul_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    UNIFORM_GROUPS: tl.constexpr,
     LOWP_DOT: tl.constexpr,
 ):
     PACK: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
+    WORDS: tl.constexpr = BLOCK_K // PACK
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < M
     col_ok = cols < N
+    shifts = tl.arange(0, PACK) * BITS
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
+        k_ok = ks < K  # K is a multiple of PACK: a word is wholly in or out
         x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :],
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w_mask = k_ok[:, None] & col_ok[None, :]
-        words = tl.load(qweight_ptr + (ks // PACK)[:, None] * stride_qk + cols[None, :],
-                        mask=w_mask, other=0)
-        q = (words >> ((ks % PACK) * BITS)[:, None]) & MASK  # [BLOCK_K, BLOCK_N]
-        group = tl.load(g_idx_ptr + ks, mask=k_ok, other=0)
-        g_off = group[:, None] * stride_g + cols[None, :]
-        scale = tl.load(scales_ptr + g_off, mask=w_mask, other=0.0).to(tl.float32)
-        zero = tl.load(zeros_ptr + g_off, mask=w_mask, other=0.0).to(tl.float32)
+        word_rows = k0 // PACK + tl.arange(0, WORDS)
+        words = tl.load(qweight_ptr + word_rows[:, None] * stride_qk + cols[None, :],
+                        mask=(word_rows < K // PACK)[:, None] & col_ok[None, :], other=0)
+        # Input row k0 + PACK * r + j is bits [j * BITS, (j + 1) * BITS) of word row r.
+        q = (words[:, None, :] >> shifts[None, :, None]) & MASK  # [WORDS, PACK, BLOCK_N]
+        q = tl.reshape(q, [BLOCK_K, BLOCK_N])
+        if UNIFORM_GROUPS:  # the whole slice is one group: one row of scales and zeros
+            g_off = tl.load(g_idx_ptr + k0) * stride_g + cols
+            scale = tl.load(scales_ptr + g_off, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            zero = tl.load(zeros_ptr + g_off, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        else:
+            w_mask = k_ok[:, None] & col_ok[None, :]
+            group = tl.load(g_idx_ptr + ks, mask=k_ok, other=0)
+            g_off = group[:, None] * stride_g + cols[None, :]
+            scale = tl.load(scales_ptr + g_off, mask=w_mask, other=0.0).to(tl.float32)
+            zero = tl.load(zeros_ptr + g_off, mask=w_mask, other=0.0).to(tl.float32)
         w = (q.to(tl.float32) - zero) * scale
         if LOWP_DOT:
             acc = tl.dot(x, w.to(x.dtype), acc)
@@ -83,9 +103,15 @@ def quant_matmul(
     bits: int,
     *,
     block_m: int | None = None,
-    block_n: int = 64,
-    block_k: int = 64,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    uniform_rows: int = 0,
+    num_warps: int = 4,
 ) -> torch.Tensor:  # [num_tokens, out] in x.dtype
+    """``uniform_rows``: the caller vouches that ``g_idx`` is constant over
+    every aligned run of this many rows (``uniform_group_rows`` finds it; 0:
+    not known), so that a slice of at most that many rows loads its scales
+    and zero points once. ``block_*`` and ``num_warps``: for tuning and tests."""
     if bits not in (4, 8):
         raise ValueError(f"bits must be 4 or 8, got {bits}")
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
@@ -113,6 +139,9 @@ def quant_matmul(
         check_last_dim_contiguous(name, t)
     if scales.stride() != zeros.stride():
         raise ValueError("scales and zeros must share their strides")
+    default_n, default_k = _default_tiles(m, uniform_rows)
+    block_n = default_n if block_n is None else block_n
+    block_k = default_k if block_k is None else block_k
     for name, value in (("block_n", block_n), ("block_k", block_k)):
         if value < 16 or value & (value - 1):
             raise ValueError(f"{name} must be a power of two >= 16, got {value}")
@@ -127,7 +156,31 @@ def quant_matmul(
         m, n, k,
         x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
         BITS=bits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        UNIFORM_GROUPS=uniform_rows >= block_k and uniform_rows % block_k == 0,
         LOWP_DOT=lowp_dot(x.dtype, device),
-        num_warps=4,
+        num_warps=num_warps,
     )
     return out
+
+
+def _default_tiles(m: int, uniform_rows: int) -> tuple[int, int]:
+    """(block_n, block_k) for ``m`` tokens (see the module's docstring)."""
+    if uniform_rows < 16:  # act order: the per-row launch
+        return 64, 64
+    block_n, block_k = (64, 128) if m <= 16 else (128, 64)
+    return block_n, min(block_k, uniform_rows)  # one group per slice
+
+
+def uniform_group_rows(g_idx: torch.Tensor, most: int = 128) -> int:
+    """The longest aligned run of rows, a power of two from 16 to ``most``,
+    over which ``g_idx`` is constant everywhere (rows in checkpoint order
+    give their group size, or ``most``), else 0 (act order, small groups).
+    Reads ``g_idx`` back from the device: call once per layer, not per step."""
+    k, run = g_idx.shape[0], most
+    while run >= 16:
+        if k % run == 0:
+            chunks = g_idx.view(k // run, run)
+            if bool((chunks == chunks[:, :1]).all()):
+                return run
+        run //= 2
+    return 0

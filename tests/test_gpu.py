@@ -90,14 +90,16 @@ def test_compiled_quant_matmul_matches_reference(dtype):
                             device="cuda")
     scales = (torch.rand(k // group, n, device="cuda") * 0.01).to(dtype)
     zeros = torch.randint(0, 16, (k // group, n), device="cuda").to(dtype)
-    g_idx = (torch.arange(k, device="cuda", dtype=torch.int32) // group)[torch.randperm(k,
-                                                                                       device="cuda")]
-    for m in (1, 7, 64, 300):
-        x = torch.randn(m, k, device="cuda", dtype=dtype)
-        out = quant_matmul(x, qweight, scales, zeros, g_idx, 4)
-        ref = reference.quant_matmul(x.float(), qweight, scales.float(), zeros.float(), g_idx, 4)
-        torch.testing.assert_close(out.float(), ref, atol=3e-2 * ref.abs().max().item(),
-                                   rtol=3e-2)
+    in_order = torch.arange(k, device="cuda", dtype=torch.int32) // group
+    act_order = in_order[torch.randperm(k, device="cuda")]
+    for g_idx, rows in ((act_order, 0), (in_order, 0), (in_order, group)):
+        for m in (1, 7, 64, 300):
+            x = torch.randn(m, k, device="cuda", dtype=dtype)
+            out = quant_matmul(x, qweight, scales, zeros, g_idx, 4, uniform_rows=rows)
+            ref = reference.quant_matmul(x.float(), qweight, scales.float(), zeros.float(),
+                                         g_idx, 4)
+            torch.testing.assert_close(out.float(), ref, atol=3e-2 * ref.abs().max().item(),
+                                       rtol=3e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

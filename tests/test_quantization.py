@@ -25,7 +25,7 @@ from engine.quantization.formats import (
     unpack_cols,
 )
 from kernels import reference
-from kernels.quant_matmul import quant_matmul
+from kernels.quant_matmul import quant_matmul, uniform_group_rows
 from tandem import LLM, SamplingParams
 
 
@@ -146,11 +146,16 @@ def _random_layer(k: int, n: int, bits: int, group: int, dtype, act_order: bool,
                                        (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("m", [1, 5, 33])
-def test_kernel_matches_reference(dtype, tol, bits, m):
+@pytest.mark.parametrize("uniform_rows,block_k", [(0, 32), (32, 32), (32, 64)],
+                         ids=["per-row", "slice-wise", "slice-wider-than-a-group"])
+def test_kernel_matches_reference(dtype, tol, bits, m, uniform_rows, block_k):
+    """Scales per input row, once per slice, and a slice wider than the
+    caller's uniform run, which must fall back to per-row scales."""
     k, n, group = 128, 80, 32  # 80: the last column tile is partial
     qweight, scales, zeros, g_idx = _random_layer(k, n, bits, group, dtype, act_order=False)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
-    out = quant_matmul(x, qweight, scales, zeros, g_idx, bits, block_n=32, block_k=32)
+    out = quant_matmul(x, qweight, scales, zeros, g_idx, bits, block_n=32, block_k=block_k,
+                       uniform_rows=uniform_rows)
     ref = reference.quant_matmul(x.float(), qweight, scales.float(), zeros.float(), g_idx, bits)
     assert out.dtype == dtype and out.shape == (m, n)
     torch.testing.assert_close(out.float(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
@@ -164,6 +169,30 @@ def test_kernel_act_order_and_non_contiguous_input():
     out = quant_matmul(x, qweight, scales, zeros, g_idx, 4, block_n=16, block_k=16)
     ref = reference.quant_matmul(x, qweight, scales, zeros, g_idx, 4)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_uniform_group_rows_finds_the_longest_aligned_run_of_one_group():
+    rows = torch.arange(512, dtype=torch.int32)
+    assert uniform_group_rows(rows // 128) == 128
+    assert uniform_group_rows(rows // 256) == 128  # capped at the longest slice
+    assert uniform_group_rows(rows // 32) == 32
+    assert uniform_group_rows(rows // 8) == 0  # groups shorter than any slice
+    assert uniform_group_rows((rows // 128)[torch.randperm(512)]) == 0  # act order
+    assert uniform_group_rows((rows // 64)[:96]) == 32  # 96 rows: no whole 64-row slice
+
+
+def test_default_launch_with_in_order_and_act_order_groups():
+    """Without tile arguments: decode-sized and prefill-sized inputs, groups in
+    order (scales per slice) and in act order (per row), all exact."""
+    for act_order in (False, True):
+        qweight, scales, zeros, g_idx = _random_layer(256, 48, 4, 64, torch.float32, act_order)
+        rows = uniform_group_rows(g_idx)
+        assert rows == (0 if act_order else 64)
+        for m in (1, 20):
+            x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m))
+            out = quant_matmul(x, qweight, scales, zeros, g_idx, 4, uniform_rows=rows)
+            ref = reference.quant_matmul(x, qweight, scales, zeros, g_idx, 4)
+            torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
 def test_kernel_launcher_errors():
@@ -227,8 +256,9 @@ def test_quantized_model_on_the_triton_backend(tiny_src, tmp_path):
     expected, _ = _greedy(qdir, "torch")
     got, llm = _greedy(qdir, "triton")
     assert got == expected
-    assert llm.engine.runner.model.layers[0].mlp.down_proj._matmul.__module__ == \
-        "kernels.quant_matmul"
+    down = llm.engine.runner.model.layers[0].mlp.down_proj
+    assert down._matmul.__module__ == "kernels.quant_matmul"
+    assert down._uniform_rows == AWQ["group_size"]  # in order: scales loaded once per slice
 
 
 def test_bad_quantized_checkpoints_are_refused(tiny_src, tmp_path):

@@ -99,6 +99,11 @@ class QuantLinear(nn.Module):
         self.g_idx = param(rows // group, None, 0 if row else None)
         self.g_idx.optional = True  # AWQ stores none; GPTQ's may be the default order
         self.bias = param(torch.zeros(out_features), 0, 0) if bias else None
+        self._fused = fused
+        # How many aligned rows g_idx keeps in one group (kernels.quant_matmul):
+        # read once from the loaded weights, at the first forward (a warm-up, never
+        # inside a CUDA graph capture).
+        self._uniform_rows: int | None = None
         if fused:
             from kernels.quant_matmul import quant_matmul  # imports triton: only where it runs
 
@@ -120,5 +125,14 @@ class QuantLinear(nn.Module):
         return packed.to_tandem(self.quant, name, tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._matmul(x, self.qweight, self.scales, self.zeros, self.g_idx, self.quant.bits)
+        if self._fused:
+            if self._uniform_rows is None:
+                from kernels.quant_matmul import uniform_group_rows
+
+                self._uniform_rows = uniform_group_rows(self.g_idx)
+            y = self._matmul(x, self.qweight, self.scales, self.zeros, self.g_idx,
+                             self.quant.bits, uniform_rows=self._uniform_rows)
+        else:
+            y = self._matmul(x, self.qweight, self.scales, self.zeros, self.g_idx,
+                             self.quant.bits)
         return y if self.bias is None else y + self.bias

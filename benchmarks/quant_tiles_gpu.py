@@ -1,0 +1,97 @@
+"""Launch sweep of the 4-bit GPTQ/AWQ matmul on a GPU.
+
+    python benchmarks/quant_tiles_gpu.py [--out quant_tiles.json]
+
+kernels_gpu.py's shape (Llama-3-8B gate/up, 4096 -> 28672, groups of 128,
+bfloat16 activations) at 1, 16 and 256 tokens: the launch with scales loaded
+per input row (as act-order checkpoints need), and every (block_n, block_k,
+num_warps) below with scales loaded once per slice (rows in order), each
+checked against the float32 reference before it is timed, beside a dense
+bfloat16 matmul.
+Prints the best launch per token count. Needs CUDA; downloads nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from kernels_gpu import time_ms  # noqa: E402
+
+K, N, GROUP = 4096, 2 * 14336, 128
+TOKENS = (1, 16, 256)
+# (block_n, block_k, num_warps, scales once per slice): the launch act-order
+# layers get (scales per input row), then scales per slice at every tile.
+LAUNCHES = [(64, 64, 4, False),
+            *((n, k, w, True) for n, k, w in itertools.product((64, 128), (64, 128), (4, 8)))]
+
+
+def main() -> None:
+    from kernels import reference
+    from kernels.quant_matmul import quant_matmul
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="quant_tiles.json")
+    args = parser.parse_args()
+    if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("needs a CUDA GPU and TRITON_INTERPRET unset")
+    torch.manual_seed(0)
+    dev = "cuda"
+    qweight = torch.randint(-(1 << 31), (1 << 31) - 1, (K // 8, N), dtype=torch.int32, device=dev)
+    scales = torch.rand(K // GROUP, N, dtype=torch.bfloat16, device=dev) * 0.01
+    zeros = torch.randint(0, 16, (K // GROUP, N), device=dev).to(torch.bfloat16)
+    g_idx = torch.arange(K, dtype=torch.int32, device=dev) // GROUP
+    dense = torch.randn(K, N, dtype=torch.bfloat16, device=dev)
+    weight_bytes = qweight.numel() * 4 + 2 * scales.numel() * 2
+    rows = []
+    for m in TOKENS:
+        x = torch.randn(m, K, dtype=torch.bfloat16, device=dev)
+        ref = reference.quant_matmul(x.float(), qweight, scales.float(), zeros.float(), g_idx, 4)
+        row = {"tokens": m, "dense_ms": time_ms(lambda x=x: torch.matmul(x, dense)),
+               "launches": []}
+        for block_n, block_k, warps, uniform in LAUNCHES:
+            def fn(x=x, bn=block_n, bk=block_k, w=warps, u=uniform):
+                return quant_matmul(x, qweight, scales, zeros, g_idx, 4, block_n=bn,
+                                    block_k=bk, num_warps=w, uniform_rows=GROUP if u else 0)
+            entry = {"block_n": block_n, "block_k": block_k, "num_warps": warps,
+                     "uniform_groups": uniform}
+            try:
+                err = ((fn().float() - ref).norm() / ref.norm()).item()
+                entry["rel_err"] = err
+                if err < 2e-2:
+                    entry["ms"] = time_ms(fn)
+                    entry["weight_gbps"] = weight_bytes / entry["ms"] / 1e6
+                else:
+                    entry["error"] = f"relative error {err:.3g}"
+            except Exception as e:  # e.g. out of shared memory for this tile
+                entry["error"] = str(e).splitlines()[0][:160]
+            row["launches"].append(entry)
+        rows.append(row)
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+        print(f"{m} tokens swept", flush=True)
+    print(f"\n{'tokens':>6} {'dense us':>9} {'per-row us':>11} {'best us':>8}  best launch"
+          " (block_n, block_k, warps, uniform)  GB/s of weights")
+    for r in rows:
+        ok = [e for e in r["launches"] if "ms" in e]
+        best = min(ok, key=lambda e: e["ms"])
+        default = next(e for e in ok if (e["block_n"], e["block_k"], e["num_warps"],
+                                         e["uniform_groups"]) == (64, 64, 4, False))
+        print(f"{r['tokens']:>6} {1e3 * r['dense_ms']:>9.1f} {1e3 * default['ms']:>11.1f}"
+              f" {1e3 * best['ms']:>8.1f}  ({best['block_n']}, {best['block_k']},"
+              f" {best['num_warps']}, {best['uniform_groups']})  {best['weight_gbps']:.0f}")
+        errors = [e["error"] for e in r["launches"] if "error" in e]
+        if errors:
+            print(f"{'':>6} {len(errors)} launches failed, e.g. {errors[0]}")
+
+
+if __name__ == "__main__":
+    main()

@@ -57,6 +57,19 @@ def device_peaks(name: str) -> tuple[float | None, float | None]:
     return None, None
 
 
+def sweep_args(doc: str, default_out: str) -> argparse.Namespace:
+    """A launch sweep's command line (``--out``), once a GPU that compiles
+    the kernels is there; seeds torch. For prefill_tiles_gpu.py and
+    quant_tiles_gpu.py."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--out", default=default_out, help="JSON results file")
+    args = parser.parse_args()
+    if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("needs a CUDA GPU and TRITON_INTERPRET unset")
+    torch.manual_seed(0)
+    return args
+
+
 def time_ms(fn) -> float:
     import triton.testing
 

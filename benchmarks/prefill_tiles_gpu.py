@@ -12,11 +12,9 @@ checked against SDPA's before it is timed. Needs CUDA; downloads nothing.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -32,6 +30,7 @@ from kernels_gpu import (  # noqa: E402
     PREFILL_CASES,
     dense_kv,
     paged_cache,
+    sweep_args,
     time_ms,
 )
 
@@ -91,12 +90,7 @@ def sweep_case(num_seqs: int, cached: int, new: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="prefill_tiles.json")
-    args = parser.parse_args()
-    if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
-        raise SystemExit("needs a CUDA GPU and TRITON_INTERPRET unset")
-    torch.manual_seed(0)
+    args = sweep_args(__doc__, "prefill_tiles.json")
     rows = []
     for case in PREFILL_CASES:
         rows.append(sweep_case(*case))

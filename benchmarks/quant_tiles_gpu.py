@@ -13,10 +13,8 @@ Prints the best launch per token count. Needs CUDA; downloads nothing.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -25,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kernels_gpu import time_ms  # noqa: E402
+from kernels_gpu import sweep_args, time_ms  # noqa: E402
 
 K, N, GROUP = 4096, 2 * 14336, 128
 TOKENS = (1, 16, 256)
@@ -39,12 +37,7 @@ def main() -> None:
     from kernels import reference
     from kernels.quant_matmul import quant_matmul
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="quant_tiles.json")
-    args = parser.parse_args()
-    if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
-        raise SystemExit("needs a CUDA GPU and TRITON_INTERPRET unset")
-    torch.manual_seed(0)
+    args = sweep_args(__doc__, "quant_tiles.json")
     dev = "cuda"
     qweight = torch.randint(-(1 << 31), (1 << 31) - 1, (K // 8, N), dtype=torch.int32, device=dev)
     scales = torch.rand(K // GROUP, N, dtype=torch.bfloat16, device=dev) * 0.01

@@ -8,7 +8,9 @@
 # downloaded). Writes the GPU tests' log, the kernel benchmark's JSON and its
 # printed tables under $OUT, within 9 minutes (the limits below, which
 # GPU_TESTS_LIMIT and BENCH_LIMIT, in seconds, can shorten); the tables go into
-# docs/benchmarks.md. Exits non-zero if either part failed.
+# docs/benchmarks.md. Exits non-zero if either part failed. On an offline
+# machine whose python3 has torch and Triton but not the gRPC/OpenTelemetry
+# packages, scripts/gpu_wheels.sh says how to bring them.
 set -u -o pipefail
 out=${OUT:-gpu-results}
 mkdir -p "$out"

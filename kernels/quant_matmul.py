@@ -179,7 +179,7 @@ def uniform_group_rows(g_idx: torch.Tensor, most: int = 128) -> int:
     k, run = g_idx.shape[0], most
     while run >= 16:
         if k % run == 0:
-            chunks = g_idx.view(k // run, run)
+            chunks = g_idx.reshape(k // run, run)
             if bool((chunks == chunks[:, :1]).all()):
                 return run
         run //= 2

@@ -51,6 +51,21 @@ def busy_threads(label: str, before: dict, after: dict, wall: float) -> list[str
     return lines
 
 
+def timed(one, reps: int, peer_pid: int) -> tuple[float, list[str]]:
+    """MiB/s of ``reps`` calls of ``one`` (after a warm-up), and the busy
+    threads of this process and the peer over them."""
+    for _ in range(WARMUP):
+        one()
+    before, before_peer = thread_cpu(os.getpid()), thread_cpu(peer_pid)
+    start = time.perf_counter()
+    for _ in range(reps):
+        one()
+    wall = time.perf_counter() - start
+    lines = busy_threads("sender", before, thread_cpu(os.getpid()), wall)
+    lines += busy_threads("peer  ", before_peer, thread_cpu(peer_pid), wall)
+    return reps * 64 / wall, lines
+
+
 # ---- raw TCP ----------------------------------------------------------------------------------
 
 def _tcp_peer(port: int, count: int) -> None:
@@ -76,19 +91,11 @@ def raw_tcp(reps: int) -> tuple[float, list[str]]:
         conn.sendall(payload)
         conn.recv(1)
 
-    for _ in range(WARMUP):
-        one()
-    before, before_peer = thread_cpu(os.getpid()), thread_cpu(peer.pid)
-    start = time.perf_counter()
-    for _ in range(reps):
-        one()
-    wall = time.perf_counter() - start
-    lines = busy_threads("sender", before, thread_cpu(os.getpid()), wall)
-    lines += busy_threads("peer  ", before_peer, thread_cpu(peer.pid), wall)
+    rate, lines = timed(one, reps, peer.pid)
     peer.join()
     conn.close()
     listener.close()
-    return reps * 64 / wall, lines
+    return rate, lines
 
 
 # ---- Mooncake ---------------------------------------------------------------------------------
@@ -133,19 +140,11 @@ def mooncake(reps: int) -> tuple[float, list[str]]:
             if ids:
                 time.sleep(100e-6)
 
-    for _ in range(WARMUP):
-        one()
-    before, before_peer = thread_cpu(os.getpid()), thread_cpu(peer.pid)
-    start = time.perf_counter()
-    for _ in range(reps):
-        one()
-    wall = time.perf_counter() - start
-    lines = busy_threads("sender", before, thread_cpu(os.getpid()), wall)
-    lines += busy_threads("peer  ", before_peer, thread_cpu(peer.pid), wall)
+    rate, lines = timed(one, reps, peer.pid)
     done.set()
     peer.join()
     engine.unregister_memory(local)
-    return reps * 64 / wall, lines
+    return rate, lines
 
 
 def main() -> None:

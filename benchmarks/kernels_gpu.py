@@ -18,6 +18,7 @@ import json
 import math
 import os
 import sys
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -159,30 +160,96 @@ def _bench_sdpa(fn, work: float, peak: float | None, unit: str) -> dict:
     return {"sdpa_ms": t, f"sdpa_{unit}": rate, "sdpa_frac_peak": rate / peak if peak else None}
 
 
+@dataclass
+class PrefillCase:
+    """One prefill case's data: ``num_seqs`` sequences of ``cached`` tokens in
+    their paged cache and ``new`` tokens to attend, and the same laid out
+    densely for SDPA."""
+
+    num_seqs: int
+    cached: int
+    new: int
+    query: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    table: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    out: torch.Tensor
+    dense: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # q, k, v for SDPA
+    mask: torch.Tensor | None  # None: causal from the top left (nothing cached)
+
+    @property
+    def scale(self) -> float:
+        return HEAD_DIM**-0.5
+
+    @property
+    def flops(self) -> int:
+        # New token j sees cached + j + 1 keys; QK^T and PV are 2 * dim FLOPs per key each.
+        keys_seen = self.new * self.cached + self.new * (self.new + 1) // 2
+        return 4 * HEAD_DIM * NUM_HEADS * self.num_seqs * keys_seen
+
+    def triton(self, **launch) -> torch.Tensor:
+        """The paged kernel into ``out`` (``launch``: its tile and launch arguments)."""
+        from kernels.prefill_attention import paged_prefill_attention
+
+        return paged_prefill_attention(
+            self.query, self.k_cache, self.v_cache, self.table, self.query_start_loc,
+            self.seq_lens, self.scale, self.new, out=self.out, **launch,
+        )
+
+    def sdpa(self) -> torch.Tensor:
+        q, k, v = self.dense
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=self.mask, is_causal=self.mask is None, scale=self.scale,
+            enable_gqa=True,
+        )
+
+    def sdpa_like_out(self) -> torch.Tensor:
+        """SDPA's output in ``out``'s layout: [tokens, heads, dim]."""
+        return self.sdpa().transpose(1, 2).reshape_as(self.out)
+
+
+def prefill_case(num_seqs: int, cached: int, new: int, device: str) -> PrefillCase:
+    seq_len = cached + new
+    k_cache, v_cache, table = paged_cache([seq_len] * num_seqs, device)
+    query = torch.randn(num_seqs * new, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
+    mask = None
+    if cached:  # new tokens are the last positions: causal aligned to the bottom right
+        from torch.nn.attention.bias import causal_lower_right
+
+        mask = causal_lower_right(new, seq_len)
+    return PrefillCase(
+        num_seqs, cached, new, query, k_cache, v_cache, table,
+        query_start_loc=torch.arange(0, (num_seqs + 1) * new, new, dtype=torch.int32,
+                                     device=device),
+        seq_lens=torch.full((num_seqs,), seq_len, dtype=torch.int32, device=device),
+        out=torch.empty_like(query),
+        dense=(query.view(num_seqs, new, NUM_HEADS, HEAD_DIM).transpose(1, 2),
+               dense_kv(k_cache, table, seq_len), dense_kv(v_cache, table, seq_len)),
+        mask=mask,
+    )
+
+
+def checked_ms(fn, ref: torch.Tensor, tol: float = 2e-2) -> dict:
+    """For a launch sweep: ``fn()``'s relative error against ``ref`` and, if
+    under ``tol``, its time; or why it has none (a launch that does not
+    compile, e.g. out of shared memory, or a wrong result)."""
+    try:
+        err = ((fn().float() - ref.float()).norm() / ref.float().norm()).item()
+        if not err < tol:
+            return {"rel_err": err, "error": f"relative error {err:.3g}"}
+        return {"rel_err": err, "ms": time_ms(fn)}
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {str(e).partition(chr(10))[0][:160]}"}
+
+
 def bench_prefill(
     num_seqs: int, cached: int, new: int, peak_flops: float | None, device: str
 ) -> dict:
-    from kernels.prefill_attention import paged_prefill_attention
-
-    seq_len = cached + new
-    k_cache, v_cache, table = paged_cache([seq_len] * num_seqs, device)
-    seq_lens = torch.full((num_seqs,), seq_len, dtype=torch.int32, device=device)
-    query_start_loc = torch.arange(
-        0, (num_seqs + 1) * new, new, dtype=torch.int32, device=device
-    )
-    query = torch.randn(num_seqs * new, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
-    out = torch.empty_like(query)
-    scale = HEAD_DIM**-0.5
-
-    def triton_fn():
-        paged_prefill_attention(
-            query, k_cache, v_cache, table, query_start_loc, seq_lens, scale, new, out=out
-        )
-
-    # New token j sees cached + j + 1 keys; QK^T and PV are 2 * dim FLOPs per key each.
-    keys_seen = new * cached + new * (new + 1) // 2
-    flops = 4 * HEAD_DIM * NUM_HEADS * num_seqs * keys_seen
-    t_triton = time_ms(triton_fn)
+    case = prefill_case(num_seqs, cached, new, device)
+    flops = case.flops
+    t_triton = time_ms(case.triton)
     row = {
         "num_seqs": num_seqs,
         "cached": cached,
@@ -192,27 +259,10 @@ def bench_prefill(
         "triton_flops": flops / (t_triton * 1e-3),
     }
     row["triton_frac_peak"] = row["triton_flops"] / peak_flops if peak_flops else None
-
-    k_dense = dense_kv(k_cache, table, seq_len)
-    v_dense = dense_kv(v_cache, table, seq_len)
-    q_dense = query.view(num_seqs, new, NUM_HEADS, HEAD_DIM).transpose(1, 2)
-    if cached == 0:
-        mask, causal = None, True
-    else:  # new tokens are the last positions: causal aligned to the bottom right
-        from torch.nn.attention.bias import causal_lower_right
-
-        mask, causal = causal_lower_right(new, seq_len), False
-
-    def sdpa_fn():
-        return F.scaled_dot_product_attention(
-            q_dense, k_dense, v_dense, attn_mask=mask, is_causal=causal, scale=scale,
-            enable_gqa=True,
-        )
-
-    row.update(_bench_sdpa(sdpa_fn, flops, peak_flops, "flops"))
+    row.update(_bench_sdpa(case.sdpa, flops, peak_flops, "flops"))
     if row.get("sdpa_ms") is not None:
-        ref = sdpa_fn().transpose(1, 2).reshape_as(out)
-        triton_fn()
+        ref = case.sdpa_like_out()
+        out = case.triton()
         row["max_abs_diff_vs_sdpa"] = (out.float() - ref.float()).abs().max().item()
     return row
 

@@ -1,13 +1,17 @@
 """Where a Mooncake TCP write spends its CPU, beside raw TCP, with no worker.
 
-    .venv/bin/python benchmarks/mooncake_threads.py [--rounds 3] [--reps 60]
+    .venv/bin/python benchmarks/mooncake_threads.py [--rounds 3] [--reps 60] [--nap-us 100]
+        [--sender-cpus 0] [--peer-cpus 1]
 
 Two processes on loopback. Each round times ``--reps`` transfers of 64 MiB
 by raw TCP (one ``sendall`` into a peer's ``recv_into``), then the same with
 the Mooncake transfer engine (8 segments of 8 MiB written into the peer's
-registered buffer, status polled with 100 µs naps, as
+registered buffer, status polled with naps of ``--nap-us``, as
 kv_transfer/mooncake_endpoint.py does), and prints each arm's MiB/s with
 the CPU time of every thread that used more than 1% of the wall time.
+``--sender-cpus`` / ``--peer-cpus`` pin the two processes (cpuset syntax);
+Mooncake's own settings come from the environment (``MC_TCP_SLICE_SIZE``,
+``MC_TCP_LANES_PER_PEER``, 2 unless set, as the workers set it).
 transfer.py measures the workers' path; this one isolates the engine, so
 that what is left between it and raw TCP is the library's.
 """
@@ -20,6 +24,8 @@ import multiprocessing as mp
 import os
 import socket
 import time
+
+from worker.cpu_cores import parse_cores
 
 SIZE = 64 << 20
 SEGMENTS = 8
@@ -68,7 +74,13 @@ def timed(one, reps: int, peer_pid: int) -> tuple[float, list[str]]:
 
 # ---- raw TCP ----------------------------------------------------------------------------------
 
-def _tcp_peer(port: int, count: int) -> None:
+def _pin(cpus: str | None) -> None:
+    if cpus:
+        os.sched_setaffinity(0, parse_cores(cpus))
+
+
+def _tcp_peer(port: int, count: int, cpus: str | None) -> None:
+    _pin(cpus)
     sock = socket.create_connection(("127.0.0.1", port))
     view = memoryview(bytearray(SIZE))
     for _ in range(count):
@@ -78,11 +90,12 @@ def _tcp_peer(port: int, count: int) -> None:
         sock.sendall(b"k")
 
 
-def raw_tcp(reps: int) -> tuple[float, list[str]]:
+def raw_tcp(reps: int, peer_cpus: str | None) -> tuple[float, list[str]]:
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(1)
-    peer = mp.Process(target=_tcp_peer, args=(listener.getsockname()[1], reps + WARMUP))
+    peer = mp.Process(target=_tcp_peer,
+                      args=(listener.getsockname()[1], reps + WARMUP, peer_cpus))
     peer.start()
     conn, _ = listener.accept()
     payload = bytearray(os.urandom(1 << 20) * (SIZE >> 20))
@@ -109,7 +122,8 @@ def _engine():
     return engine
 
 
-def _mooncake_peer(queue, done) -> None:
+def _mooncake_peer(queue, done, cpus: str | None) -> None:
+    _pin(cpus)
     buf = ctypes.create_string_buffer(SIZE)
     ctypes.memset(buf, 1, SIZE)  # touched: no page faults in the timed writes
     engine = _engine()
@@ -119,9 +133,9 @@ def _mooncake_peer(queue, done) -> None:
     done.wait()
 
 
-def mooncake(reps: int) -> tuple[float, list[str]]:
+def mooncake(reps: int, nap_s: float, peer_cpus: str | None) -> tuple[float, list[str]]:
     queue, done = mp.Queue(), mp.Event()
-    peer = mp.Process(target=_mooncake_peer, args=(queue, done))
+    peer = mp.Process(target=_mooncake_peer, args=(queue, done, peer_cpus))
     peer.start()
     address, remote = queue.get()
     buf = ctypes.create_string_buffer(SIZE)
@@ -138,7 +152,7 @@ def mooncake(reps: int) -> tuple[float, list[str]]:
         while ids:
             ids = [b for b in ids if engine.transfer_check_status(b) == 0]
             if ids:
-                time.sleep(100e-6)
+                time.sleep(nap_s)
 
     rate, lines = timed(one, reps, peer.pid)
     done.set()
@@ -151,12 +165,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=60, help="64 MiB transfers per arm and round")
+    ap.add_argument("--nap-us", type=float, default=100.0, help="between status polls")
+    ap.add_argument("--sender-cpus", default=None, help="pin the sender, e.g. 0")
+    ap.add_argument("--peer-cpus", default=None, help="pin the peer, e.g. 1")
     args = ap.parse_args()
     os.environ.setdefault("MC_TCP_LANES_PER_PEER", "2")  # as the workers set it
     mp.set_start_method("spawn")
+    _pin(args.sender_cpus)
     for r in range(args.rounds):
-        tcp, tcp_lines = raw_tcp(args.reps)
-        mc, mc_lines = mooncake(args.reps)
+        tcp, tcp_lines = raw_tcp(args.reps, args.peer_cpus)
+        mc, mc_lines = mooncake(args.reps, args.nap_us * 1e-6, args.peer_cpus)
         print(f"round {r + 1}: raw tcp {tcp:.0f} MiB/s, mooncake {mc:.0f} MiB/s "
               f"({mc / tcp:.0%})", flush=True)
         for line in tcp_lines + mc_lines:

@@ -1,6 +1,6 @@
 """KV transfer throughput of each transport against raw loopback baselines.
 
-    PYTHONPATH=. python benchmarks/transfer.py [--sizes-mib 1 16 64] [--repeats 5]
+    PYTHONPATH=. python benchmarks/transfer.py [--sizes-mib 1 16 64] [--repeats 5] [--unplaced]
 
 One decode worker runs as its own process on a small random model whose KV
 is 16 KiB per token (4 layers, 4 kv heads, head dim 128, float32), so a
@@ -25,6 +25,13 @@ change in the machine's load hits them alike. Throughput is MiB per second,
 the median of the repeats. Not counted: a warm-up per arm (first contact,
 with its preflight, then one transfer of the largest payload, so the
 decode worker's cache pages are touched).
+
+The two sides take the cores ``tandem up`` gives one prefill and one decode
+worker (``split_cores``): the decode worker owns the second share and may
+borrow the first, this process owns the first, and each side's mooncake
+engine threads run on its own share. ``--unplaced``: no worker cores, every
+thread where the kernel puts it (as before 4 December's twelfth session).
+The raw baselines are never pinned.
 """
 
 from __future__ import annotations
@@ -69,7 +76,7 @@ def build_model(root: Path) -> Path:
 # ---- the transports, through a real decode worker ---------------------------------------------
 
 
-async def transport_arms(stack, address: str, sizes: list[int]) -> dict:
+async def transport_arms(stack, address: str, sizes: list[int], cores: list[int]) -> dict:
     """name -> async (MiB) -> seconds, for each sender against the decode worker."""
     from engine.kv_blocks import KVBlocks
     from engine.sampling_params import SamplingParams
@@ -94,7 +101,7 @@ async def transport_arms(stack, address: str, sizes: list[int]) -> dict:
                "torch": TorchSender(io, layout, channels, "bench-prefill")}
     endpoint = None
     if "mooncake" in info.transports:
-        endpoint = MooncakeEndpoint(io, "127.0.0.1")
+        endpoint = MooncakeEndpoint(io, "127.0.0.1", cores=cores)
         stack.callback(endpoint.close)
         senders["mooncake"] = MooncakeSender(endpoint, layout, channels, "bench-prefill")
     else:
@@ -231,11 +238,11 @@ def raw_arms(stack, sizes: list[int]) -> dict:
     return {"raw tcp": tcp, "raw gloo": gloo}
 
 
-async def bench(address: str, sizes: list[int], repeats: int) -> dict:
+async def bench(address: str, sizes: list[int], repeats: int, cores: list[int]) -> dict:
     """Every arm once per repeat, in turn: a change in the machine's load
     hits them alike."""
     async with contextlib.AsyncExitStack() as stack:
-        arms = await transport_arms(stack, address, sizes)
+        arms = await transport_arms(stack, address, sizes, cores)
         raw = raw_arms(stack, sizes)
         for arm in raw.values():
             await arm(max(sizes))  # warm-up
@@ -255,10 +262,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--unplaced", action="store_true",
+                    help="no worker cores: every thread where the kernel puts it")
     args = ap.parse_args()
     sizes, repeats = args.sizes_mib, args.repeats
 
     from tandem.cluster import LocalCluster
+    from worker.cpu_cores import parse_cores, split_cores
+
+    # Cores as `tandem up` deals them to one prefill and one decode worker:
+    # the decode worker owns the second share and may borrow the first, this
+    # process (the prefill side) owns the first; each one's mooncake engine
+    # threads run on its own share.
+    shares = None if args.unplaced else split_cores(2)
+    placed = [] if shares is None else ["--cpu-cores", shares[1], "--borrow-cores", ",".join(shares)]
+    own = [] if shares is None else parse_cores(shares[0])
 
     results: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -269,15 +287,16 @@ def main() -> None:
         with LocalCluster() as cluster:
             decode = cluster.start("decode", ["--model", str(model), "--num-blocks", str(blocks),
                                               "--dtype", "float32",  # this side's cache
-                                              "--transport", "mooncake,grpc"])
-            results.update(asyncio.run(bench(decode.address, sizes, repeats)))
+                                              "--transport", "mooncake,grpc", *placed])
+            results.update(asyncio.run(bench(decode.address, sizes, repeats, own)))
     for (name, blocks), counts in sorted(SEGMENTS.items()):
         print(f"  {name}, {blocks} blocks: {min(counts)}-{max(counts)} segments per transfer")
 
     columns = [c for c in ("grpc", "torch", "mooncake", "mooncake engine", "raw tcp", "raw gloo")
                if (c, sizes[0]) in results]
     print(f"\nKV transfer throughput, MiB/s (median of {repeats}; ms in brackets), "
-          f"{torch.get_num_threads()} torch threads, {mp.cpu_count()} cpus")
+          f"{torch.get_num_threads()} torch threads, {mp.cpu_count()} cpus, "
+          + ("unplaced" if shares is None else f"cores {shares[0]} (this side) / {shares[1]}"))
     print(f"{'payload':>8} | " + " | ".join(f"{c:>18}" for c in columns))
     print("-" * (11 + 21 * len(columns)))
     for mib in sizes:

@@ -115,6 +115,74 @@ def test_segments_move_exactly_the_named_blocks():
         b.close()
 
 
+def _thread_cores(pid: int | str = "self") -> dict[int, set[int]]:
+    """Each thread of a process and the cores it may run on, from /proc."""
+    import os
+
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            out[int(tid)] = os.sched_getaffinity(int(tid))
+        except OSError:  # it ended
+            pass
+    return out
+
+
+def test_an_endpoint_given_cores_runs_its_engine_threads_there():
+    """The threads each engine starts, and the one that submits and polls
+    its writes, run on the endpoint's cores only; the process's other
+    threads keep theirs; the pinned engines still move the blocks."""
+    import os
+
+    import torch
+
+    from engine.kv_blocks import KVBlocks
+    from kv_transfer.mooncake_endpoint import MooncakeEndpoint
+
+    cpus = sorted(os.sched_getaffinity(0))
+    shape = (4, 4, 2, 8)
+    src = KVBlocks([(torch.randn(shape), torch.randn(shape))])
+    dst = KVBlocks([(torch.zeros(shape), torch.zeros(shape))])
+    before = _thread_cores()
+    a = MooncakeEndpoint(src, "127.0.0.1", cores=[cpus[0]])
+    started_a = set(_thread_cores()) - set(before)
+    b = MooncakeEndpoint(dst, "127.0.0.1", cores=[cpus[-1]])
+    try:
+        now = _thread_cores()
+        started_b = set(now) - set(before) - started_a
+        assert started_a and started_b, "each engine starts threads of its own"
+        assert all(now[t] == {cpus[0]} for t in started_a if t in now)
+        assert all(now[t] == {cpus[-1]} for t in started_b if t in now)
+        assert all(now[t] == before[t] for t in before if t in now)
+        # The thread that submits and polls the writes runs there too.
+        assert a.thread.submit(os.sched_getaffinity, 0).result() == {cpus[0]}
+        a.write(b.rpc_address, *a.segments(b.target(), [0, 1, 2, 3], [3, 2, 1, 0]))
+        assert torch.equal(dst.read([3, 2, 1, 0]), src.read([0, 1, 2, 3]))
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_worker_runs_its_engine_threads_on_its_own_cores(cluster):
+    """``--cpu-cores`` with ``--borrow-cores``, as ``tandem up`` places a
+    1P+1D pair: the process may run on every core it may borrow, its
+    mooncake engine's threads on its own cores only."""
+    import os
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs two cores: one owned, one to borrow")
+    own, both = cpus[-1], f"{cpus[0]},{cpus[-1]}"
+    worker = start_worker(cluster, "decode", tiny_model(), NUM_BLOCKS, *MOONCAKE,
+                          "--cpu-cores", str(own), "--borrow-cores", both)
+    try:
+        threads = _thread_cores(worker.proc.popen.pid)
+        assert threads[worker.proc.popen.pid] == {cpus[0], cpus[-1]}  # the main thread
+        assert {own} in threads.values()  # the engine's
+    finally:
+        worker.proc.terminate()
+
+
 def test_under_tls_mooncake_is_refused_unless_allowed():
     """Not encrypted, and its port writes into the cache: like torch, off
     under TLS without --tls-allow-torch-transport; the next one stands in."""

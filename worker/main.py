@@ -116,7 +116,8 @@ def run(make_worker: WorkerFactory, description: str, roles: list[str],
         args.transports = TransportConfig.parse(
             args.transport, host=args.advertise_host or args.host,
             mooncake_protocol=args.mooncake_protocol, mooncake_device=args.mooncake_device,
-            mooncake_layer_writes=args.mooncake_layer_writes)
+            mooncake_layer_writes=args.mooncake_layer_writes,
+            cores=tuple(parse_cores(args.cpu_cores)) if args.cpu_cores else ())
     except ValueError as exc:
         p.error(str(exc))
     if args.borrow_cores is not None and args.cpu_cores is None:

@@ -35,6 +35,9 @@ class TransportConfig:
     # A prefill worker writes each layer's KV while later layers compute:
     # "on", "off", or "auto" (on when the KV cache is on a GPU).
     mooncake_layer_writes: str = "auto"
+    # The worker's own cores (--cpu-cores): the mooncake engine's threads run
+    # there (kv_transfer/mooncake_endpoint.py). Empty: wherever the kernel puts them.
+    cores: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.order:
@@ -74,7 +77,7 @@ class Transports:
                                                "it on a trusted network)")
                 if name == "mooncake":
                     self.mooncake = MooncakeEndpoint(io, config.host, config.mooncake_protocol,
-                                                     config.mooncake_device)
+                                                     config.mooncake_device, config.cores)
             except TransportUnavailable as exc:
                 rest = [t for t in config.order[i + 1:]]
                 if not rest:

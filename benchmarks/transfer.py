@@ -1,6 +1,7 @@
 """KV transfer throughput of each transport against raw loopback baselines.
 
-    PYTHONPATH=. python benchmarks/transfer.py [--sizes-mib 1 16 64] [--repeats 5] [--unplaced]
+    PYTHONPATH=. python benchmarks/transfer.py [--sizes-mib 1 16 64] [--repeats 5]
+        [--mooncake-cores | --unplaced]
 
 One decode worker runs as its own process on a small random model whose KV
 is 16 KiB per token (4 layers, 4 kv heads, head dim 128, float32), so a
@@ -26,12 +27,13 @@ the median of the repeats. Not counted: a warm-up per arm (first contact,
 with its preflight, then one transfer of the largest payload, so the
 decode worker's cache pages are touched).
 
-The two sides take the cores ``tandem up`` gives one prefill and one decode
-worker (``split_cores``): the decode worker owns the second share and may
-borrow the first, this process owns the first, and each side's mooncake
-engine threads run on its own share. ``--unplaced``: no worker cores, every
-thread where the kernel puts it (as before 4 December's twelfth session).
-The raw baselines are never pinned.
+The decode worker takes the cores ``tandem up`` gives it beside one prefill
+worker (``split_cores``): it owns the second share and may borrow the
+first; the mooncake engines' threads run wherever their process may, as in
+a served pair. ``--mooncake-cores``: each side's engine threads on its own
+share only (this process's on the first, the decode worker's
+``--mooncake-cores`` on the second). ``--unplaced``: no worker cores at
+all. The raw baselines are never pinned.
 """
 
 from __future__ import annotations
@@ -262,8 +264,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--unplaced", action="store_true",
-                    help="no worker cores: every thread where the kernel puts it")
+    where = ap.add_mutually_exclusive_group()
+    where.add_argument("--mooncake-cores", action="store_true",
+                       help="each side's mooncake engine threads on its own share of the cores")
+    where.add_argument("--unplaced", action="store_true",
+                       help="no worker cores: every thread where the kernel puts it")
     args = ap.parse_args()
     sizes, repeats = args.sizes_mib, args.repeats
 
@@ -271,12 +276,13 @@ def main() -> None:
     from worker.cpu_cores import parse_cores, split_cores
 
     # Cores as `tandem up` deals them to one prefill and one decode worker:
-    # the decode worker owns the second share and may borrow the first, this
-    # process (the prefill side) owns the first; each one's mooncake engine
-    # threads run on its own share.
+    # the decode worker owns the second share and may borrow the first.
     shares = None if args.unplaced else split_cores(2)
     placed = [] if shares is None else ["--cpu-cores", shares[1], "--borrow-cores", ",".join(shares)]
-    own = [] if shares is None else parse_cores(shares[0])
+    own = []  # this side's mooncake engine cores
+    if shares is not None and args.mooncake_cores:
+        placed += ["--mooncake-cores", shares[1]]
+        own = parse_cores(shares[0])
 
     results: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -296,7 +302,9 @@ def main() -> None:
                if (c, sizes[0]) in results]
     print(f"\nKV transfer throughput, MiB/s (median of {repeats}; ms in brackets), "
           f"{torch.get_num_threads()} torch threads, {mp.cpu_count()} cpus, "
-          + ("unplaced" if shares is None else f"cores {shares[0]} (this side) / {shares[1]}"))
+          + ("unplaced" if shares is None else f"decode worker on cores {shares[1]}, borrowing "
+             f"{shares[0]}; mooncake threads "
+             + (f"on {shares[0]} (this side) / {shares[1]}" if own else "free")))
     print(f"{'payload':>8} | " + " | ".join(f"{c:>18}" for c in columns))
     print("-" * (11 + 21 * len(columns)))
     for mib in sizes:

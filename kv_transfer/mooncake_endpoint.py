@@ -13,14 +13,18 @@ such runs, engine/free_runs.py).
 Protocol ``tcp`` works anywhere; ``rdma`` needs an RDMA NIC (``device``
 names it, e.g. ``mlx5_0``) and is configuration only, not tested here.
 
-Given ``cores`` (a worker's own, ``--cpu-cores``), the threads the engine
-starts, and the one that submits and polls its writes, run there only.
-Over TCP each side's engine moves the bytes on one I/O thread, busy for the
-whole transfer. On this 2-core host, 64 MiB between a worker and its
-neighbour moved at 80% or more of raw loopback TCP's speed in 1 run of 10
-with every thread left to the kernel (median 56%), and in 12 runs of 17
-with each side's threads on its own core (median 118%; the others 49-71%):
-docs/benchmarks.md, twelfth session.
+Given ``cores`` (``--mooncake-cores``), the threads the engine starts, and
+the one that submits and polls its writes, run there only; by default,
+wherever the worker may run. Over TCP each side's engine moves the bytes on
+one I/O thread, busy for the whole transfer. Between two bare processes on
+this 2-core host, 64 MiB moved at 80% or more of raw loopback TCP's speed
+in 1 run of 10 with every thread left to the kernel, in 12 of 17 with each
+side's threads on a core of its own. In a served 1P+1D pair on the same two
+cores, though, each worker's threads on its own compute core cost a loaded
+burst 5% of its output tokens and 16% on its time to first token, and
+bought the idle handoff nothing: so that is not the default
+(docs/benchmarks.md, twelfth and thirteenth sessions). A spare core beside
+a worker's compute cores is what the option is for.
 """
 
 from __future__ import annotations
@@ -105,8 +109,7 @@ class MooncakeEndpoint:
         self.protocol = protocol
         self.rpc_address = f"{host}:{self.engine.get_rpc_port()}"
         # Blocking writes run here, one at a time: the engine batches internally.
-        # On this worker's cores too, beside the engine's I/O thread, so that
-        # its naps' wake-ups stay off a neighbour's cores (module docstring).
+        # On the engine's cores too, if it has its own (module docstring).
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="mooncake",
                                          initializer=_run_on, initargs=(tuple(cores),))
         logger.info("mooncake transfer engine (%s) at %s: %d KV regions registered", protocol,

@@ -163,24 +163,49 @@ def test_an_endpoint_given_cores_runs_its_engine_threads_there():
         b.close()
 
 
-def test_a_worker_runs_its_engine_threads_on_its_own_cores(cluster):
-    """``--cpu-cores`` with ``--borrow-cores``, as ``tandem up`` places a
-    1P+1D pair: the process may run on every core it may borrow, its
-    mooncake engine's threads on its own cores only."""
+def test_a_worker_runs_its_engine_threads_where_it_is_told(cluster):
+    """Placed as ``tandem up`` places a 1P+1D pair (``--cpu-cores`` with
+    ``--borrow-cores``): by default the mooncake engine's threads may run
+    wherever the worker may; with ``--mooncake-cores`` on those cores only."""
     import os
 
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         pytest.skip("needs two cores: one owned, one to borrow")
-    own, both = cpus[-1], f"{cpus[0]},{cpus[-1]}"
-    worker = start_worker(cluster, "decode", tiny_model(), NUM_BLOCKS, *MOONCAKE,
-                          "--cpu-cores", str(own), "--borrow-cores", both)
+    own, both = cpus[-1], {cpus[0], cpus[-1]}
+    placed = ("--cpu-cores", str(own), "--borrow-cores", f"{cpus[0]},{cpus[-1]}")
+    free = start_worker(cluster, "decode", tiny_model(), NUM_BLOCKS, *MOONCAKE, *placed)
+    told = start_worker(cluster, "decode", tiny_model(), NUM_BLOCKS, *MOONCAKE, *placed,
+                        "--mooncake-cores", str(own))
     try:
-        threads = _thread_cores(worker.proc.popen.pid)
-        assert threads[worker.proc.popen.pid] == {cpus[0], cpus[-1]}  # the main thread
-        assert {own} in threads.values()  # the engine's
+        for worker in (free, told):
+            threads = _thread_cores(worker.proc.popen.pid)
+            assert threads[worker.proc.popen.pid] == both  # the main thread
+            # Only the engine's threads are ever kept to one core.
+            assert ({own} in threads.values()) == (worker is told)
     finally:
-        worker.proc.terminate()
+        free.proc.terminate()
+        told.proc.terminate()
+
+
+@pytest.mark.parametrize("flags, error", [
+    (("--transport", "grpc", "--mooncake-cores", "0"),
+     "--mooncake-cores needs mooncake in --transport"),
+    (("--transport", "mooncake", "--mooncake-cores", "4095"),
+     "--mooncake-cores: cores 4095 are not available to this process"),
+    (("--transport", "mooncake", "--mooncake-cores", "1-0"), "bad core range"),
+])
+def test_bad_mooncake_cores_are_refused_before_the_model_loads(flags, error):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-m", "decode_service", *flags],
+                         capture_output=True, text=True, timeout=120, cwd=root,
+                         env={**os.environ, "PYTHONPATH": str(root)})
+    assert out.returncode == 2 and error in out.stderr, out.stderr
 
 
 def test_under_tls_mooncake_is_refused_unless_allowed():

@@ -78,6 +78,10 @@ def parser(description: str, roles: list[str]) -> argparse.ArgumentParser:
                         "the layer computed it, overlapping the later layers' compute; off: "
                         "one write when the prompt is done; auto (default): on when the KV "
                         "cache is on a GPU (on a CPU the writes would share its cores)")
+    g.add_argument("--mooncake-cores", default=None, metavar="LIST",
+                   help="run the mooncake engine's threads on these cores only, e.g. a spare "
+                        "core beside --cpu-cores (default: wherever this worker may run; on "
+                        "a 2-core host that was faster under load than the worker's own core)")
     g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="before serving, run one full step of made-up prompts and a decode "
                         "step (engine/warmup.py): the first requests then do not pay the "
@@ -104,6 +108,20 @@ def _loopback(host: str) -> bool:
         return host == "localhost"
 
 
+def _mooncake_cores(args: argparse.Namespace) -> tuple[int, ...]:
+    """``--mooncake-cores`` as a tuple (empty: not given). ValueError for a
+    bad list or cores this process may not use."""
+    if args.mooncake_cores is None:
+        return ()
+    cores = parse_cores(args.mooncake_cores)
+    missing = sorted(set(cores) - os.sched_getaffinity(0))
+    if missing:
+        raise ValueError(f"--mooncake-cores: cores {format_cores(missing)} are not available "
+                         f"to this process (it may use "
+                         f"{format_cores(sorted(os.sched_getaffinity(0)))})")
+    return tuple(cores)
+
+
 def run(make_worker: WorkerFactory, description: str, roles: list[str],
         argv: list[str] | None = None) -> None:
     die_with_parent()
@@ -117,7 +135,7 @@ def run(make_worker: WorkerFactory, description: str, roles: list[str],
             args.transport, host=args.advertise_host or args.host,
             mooncake_protocol=args.mooncake_protocol, mooncake_device=args.mooncake_device,
             mooncake_layer_writes=args.mooncake_layer_writes,
-            cores=tuple(parse_cores(args.cpu_cores)) if args.cpu_cores else ())
+            mooncake_cores=_mooncake_cores(args))
     except ValueError as exc:
         p.error(str(exc))
     if args.borrow_cores is not None and args.cpu_cores is None:

@@ -35,9 +35,9 @@ class TransportConfig:
     # A prefill worker writes each layer's KV while later layers compute:
     # "on", "off", or "auto" (on when the KV cache is on a GPU).
     mooncake_layer_writes: str = "auto"
-    # The worker's own cores (--cpu-cores): the mooncake engine's threads run
-    # there (kv_transfer/mooncake_endpoint.py). Empty: wherever the kernel puts them.
-    cores: tuple[int, ...] = ()
+    # Where the mooncake engine's threads run (--mooncake-cores;
+    # kv_transfer/mooncake_endpoint.py). Empty: wherever the worker may run.
+    mooncake_cores: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.order:
@@ -53,6 +53,8 @@ class TransportConfig:
         if self.mooncake_protocol not in PROTOCOLS:
             raise ValueError(f"--mooncake-protocol must be one of {PROTOCOLS}, "
                              f"got {self.mooncake_protocol!r}")
+        if self.mooncake_cores and "mooncake" not in self.order:
+            raise ValueError("--mooncake-cores needs mooncake in --transport")
 
     @classmethod
     def parse(cls, spec: str, **kw) -> TransportConfig:
@@ -77,7 +79,8 @@ class Transports:
                                                "it on a trusted network)")
                 if name == "mooncake":
                     self.mooncake = MooncakeEndpoint(io, config.host, config.mooncake_protocol,
-                                                     config.mooncake_device, config.cores)
+                                                     config.mooncake_device,
+                                                     config.mooncake_cores)
             except TransportUnavailable as exc:
                 rest = [t for t in config.order[i + 1:]]
                 if not rest:

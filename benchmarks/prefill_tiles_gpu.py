@@ -23,13 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kernels_gpu import (  # noqa: E402
-    PREFILL_CASES,
-    checked_ms,
-    prefill_case,
-    sweep_args,
-    time_ms,
-)
+from gpu_timing import checked_ms, sweep_args, time_ms  # noqa: E402
+from kernels_gpu import PREFILL_CASES, prefill_case  # noqa: E402
 
 LAUNCHES = list(itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4)))
 

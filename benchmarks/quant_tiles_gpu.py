@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kernels_gpu import checked_ms, sweep_args, time_ms  # noqa: E402
+from gpu_timing import checked_ms, sweep_args, time_ms  # noqa: E402
 
 K, N, GROUP = 4096, 2 * 14336, 128
 TOKENS = (1, 16, 256)

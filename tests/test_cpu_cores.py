@@ -4,13 +4,11 @@ worker process pinned where it was told."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from engine_fixtures import tiny
-from worker_fixtures import start_worker
+from worker_fixtures import refused_start, start_worker
 
 from tandem.cluster import LocalCluster
 from worker.cpu_cores import format_cores, parse_cores, split_cores
@@ -72,8 +70,4 @@ def test_a_worker_that_borrows_may_run_on_the_cores_it_borrows(tmp_path):
 
 
 def test_borrowing_without_cores_of_ones_own_is_refused():
-    root = Path(__file__).resolve().parents[1]
-    out = subprocess.run([sys.executable, "-m", "decode_service", "--borrow-cores", "0-1"],
-                         capture_output=True, text=True, timeout=120, cwd=root,
-                         env={**os.environ, "PYTHONPATH": str(root)})
-    assert out.returncode == 2 and "--borrow-cores needs --cpu-cores" in out.stderr
+    assert "--borrow-cores needs --cpu-cores" in refused_start("--borrow-cores", "0-1")

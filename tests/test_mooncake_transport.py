@@ -28,7 +28,7 @@ from gateway_fixtures import (
     wait_blocks_free,
     wait_until,
 )
-from worker_fixtures import Gateway, metric, params, scrape, start_worker
+from worker_fixtures import Gateway, metric, params, refused_start, scrape, start_worker
 
 from rpc.tracing import read_trace_file
 from tandem.cluster import LocalCluster
@@ -196,16 +196,7 @@ def test_a_worker_runs_its_engine_threads_where_it_is_told(cluster):
     (("--transport", "mooncake", "--mooncake-cores", "1-0"), "bad core range"),
 ])
 def test_bad_mooncake_cores_are_refused_before_the_model_loads(flags, error):
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    out = subprocess.run([sys.executable, "-m", "decode_service", *flags],
-                         capture_output=True, text=True, timeout=120, cwd=root,
-                         env={**os.environ, "PYTHONPATH": str(root)})
-    assert out.returncode == 2 and error in out.stderr, out.stderr
+    assert error in refused_start(*flags)
 
 
 def test_under_tls_mooncake_is_refused_unless_allowed():

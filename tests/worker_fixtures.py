@@ -12,7 +12,10 @@ is shared): a test module wraps them in the fixtures it wants.
 from __future__ import annotations
 
 import asyncio
+import os
 import re
+import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterable
@@ -59,6 +62,17 @@ def start_worker(cluster: LocalCluster, role: str, model_dir: Path | str, num_bl
     if port is not None:
         args += ["--metrics-port", str(port)]
     return Worker(cluster.start(role, args), num_blocks, port)
+
+
+def refused_start(*flags: str) -> str:
+    """A decode worker started with ``flags`` that argparse refuses (exit
+    code 2, before any model loads): what it said on stderr."""
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-m", "decode_service", *flags],
+                         capture_output=True, text=True, timeout=120, cwd=root,
+                         env={**os.environ, "PYTHONPATH": str(root)})
+    assert out.returncode == 2, out.stderr
+    return out.stderr
 
 
 def params(**kw) -> common_pb2.SamplingParams:

@@ -59,6 +59,17 @@ def split_cores(num_workers: int, available: list[int] | None = None) -> list[st
     return out
 
 
+def check_available(cores: list[int], what: str = "cores") -> list[int]:
+    """``cores``, if this process may run on every one of them; ValueError
+    naming the ones it may not (``what``: the flag they came from)."""
+    allowed = os.sched_getaffinity(0)
+    missing = [c for c in cores if c not in allowed]
+    if missing:
+        raise ValueError(f"{what} {format_cores(missing)} are not available to this process "
+                         f"(it may use {format_cores(sorted(allowed))})")
+    return cores
+
+
 def pin_to_cores(spec: str, borrow: str | None = None) -> list[int]:
     """Run this process on the cores in ``spec`` only, with one torch thread
     per core; with ``borrow``, on those too (the process may run there, and
@@ -68,12 +79,7 @@ def pin_to_cores(spec: str, borrow: str | None = None) -> list[int]:
     import torch
 
     cores = parse_cores(spec)
-    reach = sorted(set(cores) | set(parse_cores(borrow) if borrow else []))
-    allowed = os.sched_getaffinity(0)
-    missing = [c for c in reach if c not in allowed]
-    if missing:
-        raise ValueError(f"cores {format_cores(missing)} are not available to this process "
-                         f"(it may use {format_cores(sorted(allowed))})")
+    reach = check_available(sorted(set(cores) | set(parse_cores(borrow) if borrow else [])))
     os.sched_setaffinity(0, reach)
     torch.set_num_threads(len(cores))
     return cores

@@ -29,7 +29,13 @@ from rpc.server import GrpcServer, serve_until_signal
 from rpc.tls import add_tls_arguments, tls_from_args
 from rpc.tracing import setup_tracing
 from worker.base import WorkerBase
-from worker.cpu_cores import default_lock_dir, format_cores, parse_cores, pin_to_cores
+from worker.cpu_cores import (
+    check_available,
+    default_lock_dir,
+    format_cores,
+    parse_cores,
+    pin_to_cores,
+)
 from worker.node import serve_node
 from worker.peers import PeerPolicy
 from worker.registry import Registration
@@ -113,13 +119,7 @@ def _mooncake_cores(args: argparse.Namespace) -> tuple[int, ...]:
     bad list or cores this process may not use."""
     if args.mooncake_cores is None:
         return ()
-    cores = parse_cores(args.mooncake_cores)
-    missing = sorted(set(cores) - os.sched_getaffinity(0))
-    if missing:
-        raise ValueError(f"--mooncake-cores: cores {format_cores(missing)} are not available "
-                         f"to this process (it may use "
-                         f"{format_cores(sorted(os.sched_getaffinity(0)))})")
-    return tuple(cores)
+    return tuple(check_available(parse_cores(args.mooncake_cores), "--mooncake-cores: cores"))
 
 
 def run(make_worker: WorkerFactory, description: str, roles: list[str],

@@ -152,9 +152,10 @@ class PrefillWorker(WorkerBase):
                 self.transfers[request_id] = transfer
             elif sender.streams_during_compute:
                 # Blocks travel as chunks of the prompt finish computing.
-                held = _Held()
-                progress = PrefillProgress(len(ticket.block_ids), self._reader(request_id, held))
-                watch = _watcher(self.engine, request_id, progress, held)
+                finished = _Held()
+                progress = PrefillProgress(len(ticket.block_ids),
+                                           self._reader(request_id, finished))
+                watch = _watcher(self.engine, request_id, progress, finished)
                 self.aengine.step_hooks.append(watch)
                 send_span, transfer = self._start_send(
                     sender, ticket, lambda _: sender.send_progressive(request_id, ticket, progress))

@@ -131,6 +131,19 @@ async def test_disaggregated_matches_colocated_and_offline(workers, offline, gw,
     await gw.wait_idle(workers.all)
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_a_finished_prefill_holds_nothing(workers, gw, transport):
+    """Once its prefill has answered, the prefill worker no longer counts
+    the request as in flight: the same id can run again at once (a retry),
+    and a drain would not wait its whole grace for it nor hand it back."""
+    prompt, sp = unique_prompt(40), params(temperature=0, max_tokens=4)
+    rid = f"again-{transport}"
+    first = await gw.disaggregated(workers.prefill, workers.decodes[0], rid, prompt, sp, transport)
+    again = await gw.disaggregated(workers.prefill, workers.decodes[1], rid, prompt, sp, transport)
+    assert again.token_ids == first.token_ids and len(first.token_ids) == 4
+    await gw.wait_idle(workers.all)
+
+
 async def test_first_token_from_the_prefill_is_not_streamed_again(workers, offline, gw):
     """The gateway's path: the prefill's reply is the completion's first
     chunk (with its finish reason when that token ends the request, then the

@@ -8,7 +8,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 PORT ?= 8000
 
-.PHONY: install run test lint protos clean bench
+.PHONY: install run test lint protos clean bench bytecode
 
 install: $(STAMP)
 
@@ -28,10 +28,18 @@ $(STAMP): pyproject.toml
 protos:
 	$(PY) -m rpc.build
 
-run: install
+# Where the environment sets PYTHONDONTWRITEBYTECODE (these machines do), no
+# process writes the project's bytecode, so every worker, gateway and test
+# process would compile the same modules from source again. compileall writes
+# it anyway, and only what is missing or stale.
+bytecode: install
+	@$(PY) -m compileall -q -j 0 engine gateway kv_transfer kernels rpc worker tandem \
+		decode_service prefill_service tests >/dev/null
+
+run: bytecode
 	$(VENV)/bin/tandem up --prefill 1 --decode 1 --port $(PORT)
 
-test: install
+test: bytecode
 	bash scripts/test.sh
 
 lint: install

@@ -80,6 +80,29 @@ class LocalCluster:
     def start(self, role: str, args: list[str], timeout: float = 180.0) -> Proc:
         """Start one process (``role``: prefill, decode, both or gateway) and
         wait until it serves."""
+        return self.start_all([(role, args)], timeout)[0]
+
+    def start_all(self, specs: list[tuple[str, list[str]]], timeout: float = 180.0,
+                  ) -> list[Proc]:
+        """Start one process per ``(role, args)`` at once and wait until all
+        of them serve: their start-ups (interpreter, imports, model load,
+        warm-up) overlap instead of queueing. If any fails, the others of
+        this call are stopped too."""
+        started = [self._spawn(role, args) for role, args in specs]
+        deadline = time.monotonic() + timeout
+        try:
+            for proc, ready in started:
+                while not ready.wait(0.1):
+                    if not proc.alive or time.monotonic() > deadline:
+                        raise RuntimeError(
+                            f"{proc.role} process failed to start:\n{proc.output()[-4000:]}")
+        except BaseException:
+            for proc, _ in started:
+                proc.kill()
+            raise
+        return [proc for proc, _ in started]
+
+    def _spawn(self, role: str, args: list[str]) -> tuple[Proc, threading.Event]:
         cmd = [sys.executable, "-m", MODULES[role], *args]
         if role in ("decode", "both"):
             cmd += ["--role", role]
@@ -91,14 +114,7 @@ class LocalCluster:
         self.procs.append(proc)
         ready = threading.Event()
         threading.Thread(target=self._pump, args=(proc, ready), daemon=True).start()
-        deadline = time.monotonic() + timeout
-        while not ready.wait(0.1):
-            if not proc.alive or time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError(
-                    f"{role} process failed to start:\n{proc.output()[-4000:]}"
-                )
-        return proc
+        return proc, ready
 
     def _pump(self, proc: Proc, ready: threading.Event) -> None:
         log = None

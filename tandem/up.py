@@ -93,12 +93,12 @@ def start_cluster(args: argparse.Namespace, cluster: LocalCluster):
                       else ["--metrics-port", str(args.metrics_port + i)])
 
     worker_transports = "mooncake,grpc" if args.transport == "mooncake" else args.transport
-    prefills = [cluster.start("prefill", [*common, "--transport", worker_transports,
-                                          *placed(i)])
-                for i in range(args.prefill)]
-    decodes = [cluster.start(decode_role, [*common, "--transport", worker_transports,
-                                           *placed(args.prefill + i)])
-               for i in range(args.decode)]
+    # Every worker starts at once: their start-ups overlap.
+    roles = ["prefill"] * args.prefill + [decode_role] * args.decode
+    workers = cluster.start_all([
+        (role, [*common, "--transport", worker_transports, *placed(i)])
+        for i, role in enumerate(roles)])
+    prefills, decodes = workers[:args.prefill], workers[args.prefill:]
     gateway_args = [*model, "--host", args.host, "--port", str(args.port),
                     "--grpc-port", str(args.grpc_port), "--transport", args.transport]
     if args.disagg_policy:

@@ -36,7 +36,7 @@ import pytest
 import redis
 from engine_fixtures import tiny_with_tokenizer
 from httpx_sse import EventSource
-from worker_fixtures import Worker, start_worker
+from worker_fixtures import Worker, start_worker_set
 
 from rpc.protos import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tandem.cluster import LocalCluster, Proc, free_port
@@ -130,11 +130,12 @@ def start_workers(cluster: LocalCluster, roles: Iterable[str], num_blocks: int, 
     """Worker processes of the tiny model, or of the bundled SmolLM2 for
     ``model="default"``."""
     if model == "default":
-        return [Worker(cluster.start(role, ["--num-blocks", str(num_blocks), "--grace", "5",
-                                            *extra]), num_blocks) for role in roles]
+        procs = cluster.start_all([(role, ["--num-blocks", str(num_blocks), "--grace", "5",
+                                           *extra]) for role in roles])
+        return [Worker(proc, num_blocks) for proc in procs]
     model = tiny_model() if model is None else model
-    return [start_worker(cluster, role, model, num_blocks, *extra, metrics=metrics)
-            for role in roles]
+    return start_worker_set(cluster, [(role, extra) for role in roles], model, num_blocks,
+                            metrics=metrics)
 
 
 def sigkill(w: Worker | Gateway) -> None:

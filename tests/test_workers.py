@@ -28,6 +28,7 @@ from worker_fixtures import (
     rpc_error,
     scrape,
     start_worker,
+    start_worker_set,
 )
 
 from engine.sampling_params import SamplingParams
@@ -61,11 +62,9 @@ def workers(model_dir):
     with LocalCluster() as cluster:
         # Chunked prefill of 8 tokens a step: a long prompt takes a hundred
         # steps, so an abort can land while it computes.
-        prefill = start_worker(cluster, "prefill", model_dir, NUM_BLOCKS,
-                               "--max-num-batched-tokens", "8", metrics=True)
-        decodes = [start_worker(cluster, "decode", model_dir, NUM_BLOCKS, metrics=True)
-                   for _ in range(2)]
-        both = start_worker(cluster, "both", model_dir, NUM_BLOCKS)
+        prefill, *decodes, both = start_worker_set(cluster, [
+            ("prefill", ("--max-num-batched-tokens", "8")),
+            ("decode", ()), ("decode", ()), ("both", ())], model_dir, NUM_BLOCKS, metrics=True)
         yield Workers(prefill, decodes, both)
 
 

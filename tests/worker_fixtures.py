@@ -57,11 +57,23 @@ class Worker:
 
 def start_worker(cluster: LocalCluster, role: str, model_dir: Path | str, num_blocks: int,
                  *extra: str, metrics: bool = False) -> Worker:
-    port = free_port() if metrics else None
-    args = worker_args(model_dir, num_blocks, *extra)
-    if port is not None:
-        args += ["--metrics-port", str(port)]
-    return Worker(cluster.start(role, args), num_blocks, port)
+    return start_worker_set(cluster, [(role, extra)], model_dir, num_blocks, metrics=metrics)[0]
+
+
+def start_worker_set(cluster: LocalCluster, specs: list[tuple[str, tuple[str, ...]]],
+                     model_dir: Path | str, num_blocks: int, metrics: bool = False,
+                     ) -> list[Worker]:
+    """One worker per ``(role, extra flags)``, all started at once: their
+    start-ups (imports, model load, warm-up) overlap."""
+    ports = [free_port() if metrics else None for _ in specs]
+    cmds = []
+    for (role, extra), port in zip(specs, ports):
+        args = worker_args(model_dir, num_blocks, *extra)
+        if port is not None:
+            args += ["--metrics-port", str(port)]
+        cmds.append((role, args))
+    return [Worker(proc, num_blocks, port)
+            for proc, port in zip(cluster.start_all(cmds), ports)]
 
 
 def refused_start(*flags: str) -> str:

@@ -116,6 +116,19 @@ def test_a_draft_models_engine_is_warmed_up_too():
     assert draft.kv.pool.free_block_ids()[1] == []  # nothing of the warm-up stays cached
 
 
+def test_speculation_prices_steps_from_the_first_served_one():
+    """The warm-up's decode step is the cold one (first-use packing and page
+    faults): kept in the step costs, its price at the warm-up's batch size set
+    the slope of every larger step, and a decode worker stopped speculating."""
+    model_dir, _ = tiny("llama-gqa")
+    engine = make_engine(model_dir, num_blocks=256, block_size=4,
+                         speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    warm_up(engine)
+    assert engine.stats().num_steps == OUTPUT_LEN  # its decode step was timed, then forgotten
+    assert engine.spec.cost.snapshot() == {"plain": {}, "verify": {}}
+    assert not engine.spec.cost.calibrated
+
+
 def test_an_engine_with_requests_is_not_warmed_up():
     model_dir, _ = tiny("llama-gqa")
     engine = make_engine(model_dir, num_blocks=64, block_size=4)

@@ -63,6 +63,10 @@ class StepCostModel:
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self.clock = clock
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every step seen: calibrate afresh from the next ones."""
         self._plain: dict[int, float] = {}
         self._verify: dict[int, float] = {}
         self._counts: dict[tuple[bool, int], int] = {}  # observations per (verifying, rows)
@@ -151,6 +155,9 @@ class FixedCosts:
 
     def __init__(self, token: float, step: float, row: float) -> None:
         self.token, self.step, self.row = token, step, row
+
+    def reset(self) -> None:
+        pass
 
     def start(self) -> None:
         pass

@@ -30,4 +30,5 @@ trap cleanup EXIT
 for _ in $(seq 50); do redis-cli -p "$port" ping >/dev/null 2>&1 && break; sleep 0.1; done
 
 export TANDEM_TEST_REDIS_URL="redis://127.0.0.1:$port/0"
-.venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+# The slowest tests are listed at the end: the suite has to stay well under 20 minutes.
+.venv/bin/python -m pytest -q -p no:cacheprovider --durations=40 "$@"

@@ -9,7 +9,8 @@ copy, made on first use and again whenever the weight is replaced or written
 
 - bfloat16: the bf16-pairs layout of amx_linear.py where a decode kernel
   for it runs, AMX tiles (amx_linear.py) or else AVX512-BF16 dot products
-  (avx512_linear.py): decode-sized batches go through it, larger ones
+  (avx512_linear.py): decode-sized batches go through it (with AVX512-BF16,
+  up to 512 rows: a decode step with a prompt in it too), larger ones
   through ``F.linear``, whose reorder is small beside their compute. Else
   oneDNN's own layout (the same outputs as ``F.linear``). The decode kernels
   accumulate in float32 in their own order, so their bfloat16 outputs may

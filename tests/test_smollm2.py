@@ -14,7 +14,6 @@ import pytest
 import torch
 from engine_fixtures import assert_all_free
 
-from engine.loader.default_model import default_model_path
 from tandem import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -44,13 +43,14 @@ def llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LLM]:
 
 
 @pytest.fixture(scope="module")
-def hf_model():
+def hf_model(llm: LLM):
+    """Transformers' model of the same weights: read from the directory the
+    GGUF was converted to, which test_gguf.py checks tensor by tensor against
+    Transformers' own reading of the GGUF (that dequantizes in Python: 15-30
+    s a run, once is enough)."""
     from transformers import AutoModelForCausalLM
 
-    gguf = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-    )
+    model = AutoModelForCausalLM.from_pretrained(str(llm.engine.model_dir), dtype=torch.float32)
     # Like ignore_eos: EOS may be chosen and generation carries on past it.
     model.generation_config.eos_token_id = None
     return model.eval()

@@ -27,12 +27,12 @@ from engine.layers import linear_abi
 from engine.layers.amx_linear import fits, pack  # noqa: F401  (the same weight layout)
 
 # Rows at or below which PackedWeight takes this kernel, F.linear above.
-# NOTE: past the decode sizes it was written for: on an AMD EPYC (Zen 4, 2
-# cores) SmolLM2's four matmul shapes over 30 layers took 78 ms at 144 rows
-# against F.linear's 90, 286 against 289 at 512, and lost from 1024 (613
-# against 582) as the rows' inputs spill from L2. Served, the step that adds
-# one 128-token prompt to 16 decoding requests went from 136 to 108 ms, and
-# with it every prompt's time to first token under load.
+# NOTE: past the decode sizes it was written for: on a 2-core AMD EPYC with
+# AVX512-BF16, SmolLM2's four matmul shapes over 30 layers took 78 ms at 144
+# rows against F.linear's 90, 286 against 289 at 512, and lost from 1024 (613
+# against 582). An engine step that adds one 128-token prompt to 16 decoding
+# requests went from 136 to 108 ms, and served at 5 requests a second the
+# time to first token fell with it (docs/benchmarks.md, 6 December).
 MAX_ROWS = 512
 
 _SOURCE = VECTOR_MATH + r"""

@@ -2,8 +2,12 @@
 ``LLMEngine.step()``.
 
     PYTHONPATH=. .venv/bin/python benchmarks/step_breakdown.py [--requests 64] [--dtype auto]
+        [--prompt-len 128] [--decode-kernel-max-rows 128]
 
 N requests of 128 random tokens are prefilled, then decode steps are timed
+(with ``--prompt-len``, each timed step also takes a new prompt of that many
+tokens: a served step where a request arrives; ``--decode-kernel-max-rows``
+sets the row count up to which bfloat16 matmuls take the decode kernel)
 as they are, and again with each hot function wrapped in a timer (the
 matmuls, attention, the norm/rotary/SiLU kernels, the LM head and
 sampling; the C kernels run outside torch, so torch's profiler cannot name
@@ -23,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import engine.model_runner as model_runner  # noqa: E402
-from engine.attention import cpu_attention  # noqa: E402
+from engine.attention import amx_prefill, cpu_attention  # noqa: E402
 from engine.layers import cpu_ops, packed  # noqa: E402
 from tandem import LLM, SamplingParams  # noqa: E402
 
@@ -45,12 +49,18 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--prompt-len", type=int, default=0)
+    ap.add_argument("--decode-kernel-max-rows", type=int, default=0)
     args = ap.parse_args()
 
     engine = LLM(dtype=args.dtype).engine
+    kernel = packed._decode_kernel()
+    if args.decode_kernel_max_rows and kernel is not None:
+        kernel.MAX_ROWS = args.decode_kernel_max_rows
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=4 * args.steps + 16, temperature=0, ignore_eos=True)
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)  # done in its own step
     for i in range(args.requests):
         engine.add_request(f"r{i}", [rng.randrange(FIRST_PLAIN_TOKEN, vocab) for _ in range(128)],
                            params)
@@ -59,10 +69,15 @@ def main() -> None:
         started.update(out.request_id for out in engine.step())
 
     def ms_per_step() -> float:
-        t = time.perf_counter()
+        seconds = 0.0
         for _ in range(args.steps):
+            if args.prompt_len:
+                engine.add_request(f"p{rng.random()}", [rng.randrange(FIRST_PLAIN_TOKEN, vocab)
+                                                        for _ in range(args.prompt_len)], one)
+            t = time.perf_counter()
             engine.step()
-        return (time.perf_counter() - t) / args.steps * 1e3
+            seconds += time.perf_counter() - t
+        return seconds / args.steps * 1e3
 
     whole = ms_per_step()
     totals: Counter = Counter()
@@ -70,6 +85,9 @@ def main() -> None:
     cpu_attention.paged_attention = timed(totals, "attention (C kernel)",
                                           cpu_attention.paged_attention)
     cpu_attention.store_kv = timed(totals, "store new keys/values", cpu_attention.store_kv)
+    # A prompt's attention, from --prompt-len up (the tile kernel, or SDPA without it).
+    amx_prefill.prefill = timed(totals, "prompt attention (tiles)", amx_prefill.prefill)
+    cpu_attention.prefill_sdpa = timed(totals, "prompt attention (SDPA)", cpu_attention.prefill_sdpa)
     for name in ("rms_norm", "silu_and_mul", "rotary_"):
         setattr(cpu_ops, name, timed(totals, name, getattr(cpu_ops, name)))
     packed.PackedWeight.linear = timed(totals, "matmuls (with the LM head)",
@@ -80,7 +98,9 @@ def main() -> None:
     wrapped = ms_per_step()
 
     print(f"{args.requests} running requests, dtype {engine.config.dtype}, context "
-          f"{129}-{129 + 2 * args.steps} tokens")
+          f"{129}-{129 + 2 * args.steps} tokens"
+          + (f", a new {args.prompt_len}-token prompt in each step" if args.prompt_len else "")
+          + (f", decode kernel up to {kernel.MAX_ROWS} rows" if kernel is not None else ""))
     print(f"{'step':<40}{whole:>8.1f} ms")
     print(f"{'step with the timers':<40}{wrapped:>8.1f} ms")
     head = totals.pop("  of which the LM head")

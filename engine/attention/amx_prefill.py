@@ -15,10 +15,11 @@ a sequence with ``q_len`` new tokens sees keys ``[0, seq_len - q_len + j]``,
 the reference's causal mask, so chunked prefills and prefix hits are served
 as they are.
 
-Where the CPU has AVX512-BF16 but no AMX, the same steps run on tiles kept
-in memory, each tile multiply as 256 ``vdpbf16ps`` (``T_DP``): on a 2-core
-AMD EPYC a layer of 8 x 500-token prefills took 17 ms against 43 in
-cpu_attention's tile kernel and 53 in SDPA (1 x 2000 tokens: 31, 79, 54).
+Where the CPU has AVX512-BF16 but no AMX, the step's two products run in
+registers as ``vdpbf16ps`` with one operand broadcast from memory, on the
+same layouts: on a 2-core AMD EPYC a layer of 8 x 500-token prefills takes
+9.7 ms against 37 in cpu_attention's tile kernel and 41 in SDPA (1 x 2000
+tokens: 15, 68, 41; ``benchmarks/prefill_attention_cpu.py``).
 The C text is in three parts: the tile operations (c_amx_tiles.py), one
 32-key step (c_flash_step.py) and the work items here.
 Only where the CPU has AVX512-BF16 and the kernel builds (``available``).

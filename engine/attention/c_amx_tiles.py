@@ -2,11 +2,11 @@
 
 ``TILE_OPS`` defines ``T_ZERO``, ``T_LOAD``, ``T_STORE``, ``T_DP`` (a 16 x 16
 bf16-pair tile multiply-accumulate into float32), ``T_CONFIG`` and
-``T_RELEASE``: AMX instructions where the compiler targets AMX, else the
-same operations on eight tiles in the thread's memory, each multiply as 256
-``vdpbf16ps`` (AVX512-BF16). ``HELPERS``: a vectorised exponential and a
-16 x 16 transpose of 32-bit lanes. Both sit inside the kernel's
-``#if defined(__AVX512BF16__)``.
+``T_RELEASE`` as AMX instructions where the compiler targets AMX; elsewhere
+only ``T_CONFIG`` and ``T_RELEASE``, as no-ops (c_flash_step.py then
+computes its products in AVX512-BF16 registers). ``HELPERS``: a vectorised
+exponential and a 16 x 16 transpose of 32-bit lanes. Both sit inside the
+kernel's ``#if defined(__AVX512BF16__)``.
 """
 
 TILE_OPS = r"""
@@ -22,34 +22,9 @@ int uses_amx(void) { return 1; }
 #define T_CONFIG(cfg) _tile_loadconfig(cfg)
 #define T_RELEASE() _tile_release()
 #else
-/* No AMX: the same tile steps on eight 16 x 64-byte tiles in this thread's
-   memory, each tile multiply 256 vdpbf16ps (a row of A's pairs broadcast
-   against each row of B), at about a sixteenth of AMX's rate but several
-   times SDPA's on these shapes. */
+/* No AMX: no tiles to configure or release. */
 int amx_request(void) { return 0; }
 int uses_amx(void) { return 0; }
-static __thread int32_t tmm[8][256] __attribute__((aligned(64)));
-static inline void tile_load(int32_t *t, const void *p, int64_t stride) {
-    for (int r = 0; r < 16; r++) memcpy(t + r * 16, (const char *)p + r * stride, 64);
-}
-static inline void tile_store(const int32_t *t, void *p, int64_t stride) {
-    for (int r = 0; r < 16; r++) memcpy((char *)p + r * stride, t + r * 16, 64);
-}
-/* c[m][n] += sum over k of a[m][pair k] . b[k][pair n], as TDPBF16PS. */
-static inline void tile_dp(int32_t *c, const int32_t *a, const int32_t *b) {
-    __m512 acc[16];
-    for (int m = 0; m < 16; m++) acc[m] = _mm512_load_ps((const float *)(c + m * 16));
-    for (int k = 0; k < 16; k++) {
-        __m512bh bk = (__m512bh)_mm512_load_si512(b + k * 16);
-        for (int m = 0; m < 16; m++)
-            acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_set1_epi32(a[m * 16 + k]), bk);
-    }
-    for (int m = 0; m < 16; m++) _mm512_store_ps((float *)(c + m * 16), acc[m]);
-}
-#define T_ZERO(t) memset(tmm[t], 0, sizeof tmm[t])
-#define T_LOAD(t, p, stride) tile_load(tmm[t], p, stride)
-#define T_STORE(t, p, stride) tile_store(tmm[t], p, stride)
-#define T_DP(c, a, b) tile_dp(tmm[c], tmm[a], tmm[b])
 #define T_CONFIG(cfg) ((void)(cfg))
 #define T_RELEASE() ((void)0)
 #endif

@@ -123,8 +123,9 @@ def test_strided_query_and_preallocated_out():
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 def test_backend_mixed_batch_matches_reference_backend(dtype):
     # Two decodes, then prompts and extends in one step, short ones (the C
-    # kernel) and long ones (SDPA over gathered blocks); the backend stores
-    # every new token before attending.
+    # kernel) and long ones (a prefill tile kernel where the CPU has one for
+    # the dtype, else SDPA over gathered blocks); the backend stores every
+    # new token before attending.
     block_size, kv_heads, group, head_dim = 16, 3, 3, 64
     spec = [(16, 1), (40, 1), (0, 17), (15, 6), (0, 33), (20, 40)]  # (cached, new)
     lens = [c + q for c, q in spec]

@@ -13,12 +13,60 @@ repacked from the cache blocks into the tile layouts. Uses amx_prefill.py's
 ``scratch_t``, ``ROWS``, ``KEYS`` and c_amx_tiles.py's tile operations.
 """
 
-SOURCE = r"""
+SOFTMAX = r"""
 /* NOTE: scores may run this far above the max the exponentials subtract
    before it is raised (and O, l rescaled): p <= e^8 stays exact enough in
    float32 and bfloat16 and spares a rescale on most steps. */
 #define LAZY 8.f
 
+/* The online softmax of one query head over a step's KEYS keys: scores
+   S^T in st ([KEYS][ROWS], unscaled; keys past n ignored), the running max
+   and sum of its ROWS tokens in mp and lp, their float32 output rows in o
+   (ROWS x dim, rescaled where the max is raised). p[i] gets key i's weights
+   for the 16 tokens (0 where masked). Token r sees the step's first
+   seen0 + r keys; seen0 >= KEYS: all of them. */
+static inline __attribute__((always_inline)) void online_softmax(
+    const float *st, float *mp, float *lp, float *o, int dim, int n, int seen0, float scale,
+    __m512 *p)
+{
+    const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+    __m512 s[KEYS];
+    __mmask16 vis[KEYS];
+    __m512 mx[4] = {ninf, ninf, ninf, ninf};
+    for (int i = 0; i < KEYS; i++) {
+        /* key i is seen by tokens r with seen0 + r > i */
+        int first = i - seen0 + 1;
+        vis[i] = i >= n || first >= 16 ? 0 : first <= 0 ? 0xffff : (__mmask16)(0xffff << first);
+        s[i] = _mm512_mul_ps(_mm512_load_ps(st + i * ROWS), vscale);
+        if (i < n) mx[i % 4] = _mm512_mask_max_ps(mx[i % 4], vis[i], mx[i % 4], s[i]);
+    }
+    __m512 cmax = _mm512_max_ps(_mm512_max_ps(mx[0], mx[1]), _mm512_max_ps(mx[2], mx[3]));
+    __m512 m = _mm512_load_ps(mp), l = _mm512_load_ps(lp);
+    __mmask16 raise = _mm512_cmp_ps_mask(cmax, _mm512_add_ps(m, _mm512_set1_ps(LAZY)), _CMP_GT_OQ);
+    if (raise) {
+        __m512 m_new = _mm512_mask_mov_ps(m, raise, cmax);
+        float alpha[ROWS] __attribute__((aligned(64)));
+        _mm512_store_ps(alpha, exp16(_mm512_sub_ps(m, m_new)));  /* 0 where m was -inf */
+        l = _mm512_mask_mul_ps(l, raise, l, _mm512_load_ps(alpha));
+        for (int r = 0; r < ROWS; r++) {
+            if (!(raise >> r & 1)) continue;
+            __m512 a = _mm512_set1_ps(alpha[r]);
+            for (int d = 0; d < dim; d += 16)
+                _mm512_store_ps(o + r * dim + d, _mm512_mul_ps(_mm512_load_ps(o + r * dim + d), a));
+        }
+        m = m_new;
+    }
+    __m512 sum[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int i = 0; i < KEYS; i++) {
+        p[i] = vis[i] ? _mm512_maskz_mov_ps(vis[i], exp16(_mm512_sub_ps(s[i], m))) : _mm512_setzero_ps();
+        sum[i % 2] = _mm512_add_ps(sum[i % 2], p[i]);
+    }
+    _mm512_store_ps(mp, m);
+    _mm512_store_ps(lp, _mm512_add_ps(l, _mm512_add_ps(sum[0], sum[1])));
+}
+""".strip("\n")
+
+SOURCE = SOFTMAX + "\n\n" + r"""
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 /* S^T = K Q^T of a step's keys into st ([KEYS][ROWS]) on tiles. Tile
    numbers are constants: 0 and 1 hold the two 16-key halves' scores
@@ -142,42 +190,9 @@ static void step_head(scratch_t *sc, int h, int dim, const uint16_t *k0, const u
 {
     const int32_t *qt = sc->qt + (int64_t)h * (dim / 32) * 256;
     step_scores(sc->st, qt, dim, k0, k1, kstride, n);
-    float *mp = sc->m + h * ROWS, *lp = sc->l + h * ROWS, *o = sc->o + (int64_t)h * ROWS * dim;
-    const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
-    __m512 s[KEYS];
-    __mmask16 vis[KEYS];
-    __m512 mx[4] = {ninf, ninf, ninf, ninf};
-    for (int i = 0; i < KEYS; i++) {
-        /* key i is seen by tokens r with seen0 + r > i */
-        int first = i - seen0 + 1;
-        vis[i] = i >= n || first >= 16 ? 0 : first <= 0 ? 0xffff : (__mmask16)(0xffff << first);
-        s[i] = _mm512_mul_ps(_mm512_load_ps(sc->st + i * ROWS), vscale);
-        if (i < n) mx[i % 4] = _mm512_mask_max_ps(mx[i % 4], vis[i], mx[i % 4], s[i]);
-    }
-    __m512 cmax = _mm512_max_ps(_mm512_max_ps(mx[0], mx[1]), _mm512_max_ps(mx[2], mx[3]));
-    __m512 m = _mm512_load_ps(mp), l = _mm512_load_ps(lp);
-    __mmask16 raise = _mm512_cmp_ps_mask(cmax, _mm512_add_ps(m, _mm512_set1_ps(LAZY)), _CMP_GT_OQ);
-    if (raise) {
-        __m512 m_new = _mm512_mask_mov_ps(m, raise, cmax);
-        float alpha[ROWS] __attribute__((aligned(64)));
-        _mm512_store_ps(alpha, exp16(_mm512_sub_ps(m, m_new)));  /* 0 where m was -inf */
-        l = _mm512_mask_mul_ps(l, raise, l, _mm512_load_ps(alpha));
-        for (int r = 0; r < ROWS; r++) {
-            if (!(raise >> r & 1)) continue;
-            __m512 a = _mm512_set1_ps(alpha[r]);
-            for (int d = 0; d < dim; d += 16)
-                _mm512_store_ps(o + r * dim + d, _mm512_mul_ps(_mm512_load_ps(o + r * dim + d), a));
-        }
-        m = m_new;
-    }
-    __m512 sum[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    float *o = sc->o + (int64_t)h * ROWS * dim;
     __m512 p[KEYS];
-    for (int i = 0; i < KEYS; i++) {
-        p[i] = vis[i] ? _mm512_maskz_mov_ps(vis[i], exp16(_mm512_sub_ps(s[i], m))) : _mm512_setzero_ps();
-        sum[i % 2] = _mm512_add_ps(sum[i % 2], p[i]);
-    }
-    _mm512_store_ps(mp, m);
-    _mm512_store_ps(lp, _mm512_add_ps(l, _mm512_add_ps(sum[0], sum[1])));
+    online_softmax(sc->st, sc->m + h * ROWS, sc->l + h * ROWS, o, dim, n, seen0, scale, p);
     /* P^T rows (keys) -> bf16 pairs of keys per token -> transposed to P's rows. */
     const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
                                            23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);

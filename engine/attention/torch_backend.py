@@ -2,11 +2,11 @@
 
 On the CPU, when the kernel in cpu_attention.py builds here, decodes and
 short prefill chunks are served by it in one call, reading the paged cache in
-place, and longer prefill chunks in bfloat16 by the tile kernel of
-amx_prefill.py (also in place) where the CPU has AMX or AVX512-BF16, else by
-SDPA over their gathered blocks in the cache's dtype (float32 always: it
-matches Hugging Face's); otherwise, and on other devices, everything by
-kernels.reference.
+place, and longer prefill chunks by a flash-attention tile kernel (also in
+place): amx_prefill.py's in bfloat16 where the CPU has AMX or AVX512-BF16,
+f32_prefill.py's in float32 where it has AVX-512; else by SDPA over their
+gathered blocks in the cache's dtype. Otherwise, and on other devices,
+everything by kernels.reference.
 An 8-bit (fp8) cache is always served by kernels.reference, which widens the
 gathered blocks to float32 (the C kernel reads only caches in the query's dtype).
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import amx_prefill, cpu_attention
+from engine.attention import amx_prefill, cpu_attention, f32_prefill
 from engine.attention.backend import AttentionBackend, AttentionMetadata
 from kernels import reference
 
@@ -26,14 +26,18 @@ from kernels import reference
 # the C kernel against 31.7 in SDPA, 32 x 128 16.1 against 25.7, 16 x 256
 # 28.8 against 29.6, 8 x 500 49.9 against 48.0, 1 x 2000 94 against 51.
 SDPA_FROM = 256
-# NOTE: from this many new tokens a bfloat16 sequence's attention goes to
-# amx_prefill's kernel (one tile of 16 query tokens). With AMX it is faster
-# than the C kernel from 2 new tokens (0.63 against 0.82 ms for 2 after 256
-# cached, 16 sequences, one thread), but it rounds the softmax weights to
-# bfloat16: below a tile, speculative verification (k + 1 tokens) stays on
-# the C kernel, whose rows compute exactly as the decodes they stand for, so
-# a greedy bfloat16 text is the same with and without speculation.
-AMX_FROM = 16
+# NOTE: from this many new tokens a sequence's attention goes to a tile
+# kernel (one tile of 16 query tokens): amx_prefill's in bfloat16,
+# f32_prefill's in float32. With AMX the first is faster than the C kernel
+# from 2 new tokens (0.63 against 0.82 ms for 2 after 256 cached, 16
+# sequences, one thread), but it rounds the softmax weights to bfloat16, and
+# both sum in another order than the C kernel: below a tile, speculative
+# verification (k + 1 tokens) stays on the C kernel, whose rows compute
+# exactly as the decodes they stand for, so a greedy text is the same with
+# and without speculation. In float32 the tile kernel is 2.7-2.9x the C
+# kernel's speed from 16 tokens (16 x 16 to 4 x 256 after 256 cached, a
+# layer on a 2-core AMD EPYC).
+TILE_FROM = 16
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -48,11 +52,14 @@ class TorchAttentionBackend(AttentionBackend):
             cpu_attention.store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
             args = (query, k_cache, v_cache, meta.block_tables, meta.query_start_loc_cpu,
                     meta.seq_lens_cpu, scale)
-            amx = amx_prefill.supports(query, k_cache)
-            long_from = AMX_FROM if amx else SDPA_FROM
+            if amx_prefill.supports(query, k_cache):
+                prefill, long_from = amx_prefill.prefill, TILE_FROM
+            elif f32_prefill.supports(query, k_cache):
+                prefill, long_from = f32_prefill.prefill, TILE_FROM
+            else:
+                prefill, long_from = cpu_attention.prefill_sdpa, SDPA_FROM
             out = cpu_attention.paged_attention(*args, max_query_len=long_from - 1)
             if meta.max_query_len >= long_from:
-                prefill = amx_prefill.prefill if amx else cpu_attention.prefill_sdpa
                 prefill(*args, out=out, min_query_len=long_from)
             return out
         kv_scales = (self.k_scale, self.v_scale)

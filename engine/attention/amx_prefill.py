@@ -29,12 +29,9 @@ the output, and by its exponential (~1e-6).
 
 from __future__ import annotations
 
-import ctypes
-import functools
-
 import torch
 
-from engine.attention import c_amx_tiles, c_flash_step, cbuild
+from engine.attention import c_amx_tiles, c_flash_step, paged_call
 
 _SOURCE = r"""
 #include <immintrin.h>
@@ -63,11 +60,7 @@ typedef struct {
 
 """ + c_amx_tiles.HELPERS + r"""
 
-typedef struct { int32_t seq, t0, cost; } item_t;
-
-static int by_cost(const void *a, const void *b) {
-    return ((const item_t *)b)->cost - ((const item_t *)a)->cost;
-}
+""" + c_flash_step.WORK_ITEMS + r"""
 
 /* Per-thread scratch, 64-byte aligned. Scores are kept transposed (a row
    per key, a lane per query token), so the softmax's running max and sum
@@ -81,12 +74,6 @@ typedef struct {
     float *st;     /* [KEYS][ROWS] scores S^T of one head and step */
     int32_t *pt;   /* [ROWS][16 key pairs]: P (bf16 pairs) of one head and step */
 } scratch_t;
-
-static void *zalloc(size_t bytes) {
-    void *p = aligned_alloc(64, (bytes + 63) / 64 * 64);
-    if (p) memset(p, 0, bytes);
-    return p;
-}
 
 """ + c_flash_step.SOURCE + r"""
 
@@ -109,13 +96,11 @@ int amx_prefill(
 #define SERVED(s) (query_start_loc[(s) + 1] - query_start_loc[s] >= min_query_len)
 #define TILES(s) ((query_start_loc[(s) + 1] - query_start_loc[s] + ROWS - 1) / ROWS)
     /* Query tiles, and the 32-key steps of the caches packed ahead. */
-    int64_t num_tiles = 0, num_steps = 0;
+    int64_t num_tiles, num_steps = 0;
+    item_t *tiles = query_tiles(query_start_loc, seq_lens, num_seqs, min_query_len, &num_tiles);
+    if (num_tiles <= 0) return (int)num_tiles;
     for (int s = 0; s < num_seqs; s++)
-        if (SERVED(s)) {
-            num_tiles += TILES(s);
-            if (TILES(s) >= PACK_AHEAD) num_steps += (seq_lens[s] + KEYS - 1) / KEYS;
-        }
-    if (num_tiles == 0) return 0;
+        if (SERVED(s) && TILES(s) >= PACK_AHEAD) num_steps += (seq_lens[s] + KEYS - 1) / KEYS;
     /* A sequence of PACK_AHEAD+ tiles has each step's values (and keys,
        where blocks do not hold whole 16-key tiles to read in place) packed
        once, before any tile reads them: step j, kv head g at
@@ -123,30 +108,21 @@ int amx_prefill(
        each step as a tile reaches it, into a buffer that stays in L1. */
     const int in_place = block_size % 16 == 0;
     const int64_t v_step = (int64_t)(dim / 16) * 256, k_step = (int64_t)KEYS * dim;
-    item_t *tiles = malloc(sizeof(item_t) * num_tiles);
     int64_t *first = malloc(sizeof(int64_t) * (num_seqs + 1));
     int32_t *step_seq = malloc(sizeof(int32_t) * (num_steps + 1));
     int32_t *vpack = aligned_alloc(64, (num_steps * num_kv_heads * v_step + 1) * 4);
     uint16_t *kpack = in_place ? NULL : aligned_alloc(64, (num_steps * num_kv_heads * k_step + 1) * 2);
-    int failed = !tiles || !first || !step_seq || !vpack || (!in_place && !kpack);
+    int failed = !first || !step_seq || !vpack || (!in_place && !kpack);
     if (failed) goto done;
-    int64_t k = 0, j = 0;
+    int64_t j = 0;
     for (int s = 0; s < num_seqs; s++) {
         first[s] = -1;
-        if (!SERVED(s)) continue;
-        int start = query_start_loc[s], end = query_start_loc[s + 1];
-        /* Longest first (keys a tile reads), so the dynamic schedule ends even. */
-        for (int t0 = start; t0 < end; t0 += ROWS) {
-            int nt = end - t0 < ROWS ? end - t0 : ROWS;
-            tiles[k++] = (item_t){s, t0, seq_lens[s] - (end - t0) + nt};
-        }
-        if (TILES(s) < PACK_AHEAD) continue;
+        if (!SERVED(s) || TILES(s) < PACK_AHEAD) continue;
         first[s] = j;
         for (int c = 0; c < (seq_lens[s] + KEYS - 1) / KEYS; c++) step_seq[j++] = s;
     }
 #undef TILES
 #undef SERVED
-    qsort(tiles, num_tiles, sizeof(item_t), by_cost);
     #pragma omp parallel
     {
         #pragma omp for schedule(static)
@@ -200,11 +176,7 @@ int amx_prefill(
                     int32_t *dst = sc.qt + ((int64_t)h * (dim / 32) + kk) * 256;
                     for (int i = 0; i < 16; i++) _mm512_store_si512(dst + i * 16, x[i]);
                 }
-            memset(sc.o, 0, rows * dim * 4);
-            for (int64_t r = 0; r < rows; r++) {
-                sc.m[r] = -INFINITY;
-                sc.l[r] = 0.f;
-            }
+            start_item(sc.o, sc.m, sc.l, rows, dim);
             for (int c0 = 0; c0 < ctx_end; c0 += KEYS) {
                 int n = ctx_end - c0 < KEYS ? ctx_end - c0 : KEYS;
                 const int32_t *vp = sc.vp;
@@ -254,70 +226,9 @@ int amx_prefill(void) { return -1; }
 #endif
 """
 
-_I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 
-
-@functools.cache
-def _lib():
-    lib = cbuild.load("amx_prefill", _SOURCE)
-    if lib is None or lib.amx_request() != 0:
-        return None
-    fn = lib.amx_prefill
-    fn.restype = _INT
-    fn.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64,
-                   _PTR, _PTR, _INT, _INT, _INT, _INT, _INT, ctypes.c_float, _INT]
-    return lib
-
-
-def available() -> bool:
-    """Whether this CPU and compiler run the kernel."""
-    return _lib() is not None
-
-
-def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether ``prefill`` serves these tensors: bfloat16 on the CPU, head
-    size a multiple of 32 up to 256, at most 16 query heads per kv head."""
-    heads, dim = query.shape[1:]
-    kv_heads = k_cache.shape[2]
-    return (query.device.type == "cpu" and query.dtype == torch.bfloat16
-            and k_cache.dtype == torch.bfloat16 and query.stride(-1) == 1
-            and k_cache.stride(-1) == 1 and dim % 32 == 0 and dim <= 256
-            and heads % kv_heads == 0 and heads // kv_heads <= 16 and available())
-
-
-def prefill(
-    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int
-    query_start_loc: torch.Tensor,  # [num_seqs + 1] int, on the host
-    seq_lens: torch.Tensor,  # [num_seqs] int, on the host
-    scale: float,
-    out: torch.Tensor,
-    min_query_len: int = 1,
-) -> None:
-    """Causal attention of the sequences with at least ``min_query_len`` new
-    tokens, written to their rows of ``out`` (the others' rows are left as
-    they were). Check ``supports`` first; the new tokens' keys and values
-    must already be in the cache."""
-    num_tokens, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    if v_cache.stride() != k_cache.stride() or v_cache.dtype != k_cache.dtype:
-        raise ValueError("k_cache and v_cache must have the same layout and dtype")
-    if out.shape != query.shape or out.dtype != query.dtype or out.stride(-1) != 1:
-        raise ValueError(f"out must be {tuple(query.shape)} {query.dtype} with unit last stride")
-    tables = block_tables.to(torch.int32).contiguous()
-    qsl = query_start_loc.to(torch.int32).contiguous()
-    lens = seq_lens.to(torch.int32).contiguous()
-    num_seqs = lens.shape[0]
-    if qsl.shape[0] != num_seqs + 1 or tables.shape[0] != num_seqs:
-        raise ValueError("query_start_loc needs num_seqs + 1 entries and block_tables num_seqs rows")
-    rc = _lib().amx_prefill(
-        out.data_ptr(), out.stride(0), out.stride(1), query.data_ptr(), query.stride(0),
-        query.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), *k_cache.stride()[:3],
-        tables.data_ptr(), tables.stride(0), qsl.data_ptr(), lens.data_ptr(), num_seqs,
-        num_heads, num_kv_heads, head_dim, block_size, scale, min_query_len,
-    )
-    if rc != 0:
-        raise ValueError(f"amx_prefill cannot serve {num_heads} heads, {num_kv_heads} kv heads, "
-                         f"head_dim {head_dim}")
+_KERNEL = paged_call.TileKernel("amx_prefill", _SOURCE, torch.bfloat16,
+                              lambda lib: lib.amx_request() == 0)
+available = _KERNEL.available
+supports = _KERNEL.supports
+prefill = _KERNEL.prefill

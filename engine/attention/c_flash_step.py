@@ -11,6 +11,8 @@ tokens, a layer of SmolLM2 on a 2-core AMD EPYC, 24.7 against 16.0 ms). ``pack_s
 a step's values (and keys, where the blocks do not hold whole 16-key tiles)
 repacked from the cache blocks into the tile layouts. Uses amx_prefill.py's
 ``scratch_t``, ``ROWS``, ``KEYS`` and c_amx_tiles.py's tile operations.
+``SOFTMAX`` (the online softmax) and ``WORK_ITEMS`` (the query tiles both
+tile kernels walk, and a work item's start) serve f32_prefill.py too.
 """
 
 SOFTMAX = r"""
@@ -63,6 +65,59 @@ static inline __attribute__((always_inline)) void online_softmax(
     }
     _mm512_store_ps(mp, m);
     _mm512_store_ps(lp, _mm512_add_ps(l, _mm512_add_ps(sum[0], sum[1])));
+}
+""".strip("\n")
+
+WORK_ITEMS = r"""
+typedef struct { int32_t seq, t0, cost; } item_t;
+
+static int by_cost(const void *a, const void *b) {
+    return ((const item_t *)b)->cost - ((const item_t *)a)->cost;
+}
+
+static void *zalloc(size_t bytes) {
+    void *p = aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (p) memset(p, 0, bytes);
+    return p;
+}
+
+/* The work items' query tiles: every sequence with min_query_len+ new
+   tokens cut into tiles of ROWS tokens, longest first (by the keys a tile
+   reads) so that a dynamic schedule ends even. *count gets their number:
+   0 (and NULL) when there are none, -1 (and NULL) when memory runs out. */
+static item_t *query_tiles(const int32_t *query_start_loc, const int32_t *seq_lens, int num_seqs,
+                           int min_query_len, int64_t *count)
+{
+    int64_t n = 0;
+    for (int s = 0; s < num_seqs; s++) {
+        int q_len = query_start_loc[s + 1] - query_start_loc[s];
+        if (q_len >= min_query_len) n += (q_len + ROWS - 1) / ROWS;
+    }
+    item_t *tiles = n ? malloc(sizeof(item_t) * n) : NULL;
+    *count = n && !tiles ? -1 : n;
+    if (!tiles) return NULL;
+    int64_t k = 0;
+    for (int s = 0; s < num_seqs; s++) {
+        int start = query_start_loc[s], end = query_start_loc[s + 1];
+        if (end - start < min_query_len) continue;
+        for (int t0 = start; t0 < end; t0 += ROWS) {
+            int nt = end - t0 < ROWS ? end - t0 : ROWS;
+            tiles[k++] = (item_t){s, t0, seq_lens[s] - (end - t0) + nt};
+        }
+    }
+    qsort(tiles, n, sizeof(item_t), by_cost);
+    return tiles;
+}
+
+/* A work item's start: its float32 accumulators (rows x dim) zero, each
+   row's running max -inf and sum 0. */
+static void start_item(float *o, float *m, float *l, int64_t rows, int dim)
+{
+    memset(o, 0, rows * dim * 4);
+    for (int64_t r = 0; r < rows; r++) {
+        m[r] = -INFINITY;
+        l[r] = 0.f;
+    }
 }
 """.strip("\n")
 

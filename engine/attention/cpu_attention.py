@@ -29,7 +29,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from engine.attention import c_tiles, cbuild
+from engine.attention import c_tiles, cbuild, paged_call
 from engine.attention.c_prelude import VECTOR_MATH
 from kernels import reference
 
@@ -172,11 +172,8 @@ def _library():
                              ctypes.c_int, ctypes.c_int, ctypes.c_int]
     fn = lib.paged_attention
     fn.restype = ctypes.c_int
-    fn.argtypes = [
-        _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR,
-        ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-        ctypes.c_float, ctypes.c_int, ctypes.c_int,
-    ]
+    fn.argtypes = [*paged_call.ARGTYPES, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                   ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int, ctypes.c_int]
     return lib
 
 
@@ -241,24 +238,13 @@ def paged_attention(
     rows of ``out`` are left as they were."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    if v_cache.stride() != k_cache.stride():
-        raise ValueError("k_cache and v_cache must have the same layout")
     if out is None:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
-    if out.shape != query.shape or out.dtype != query.dtype or out.stride(-1) != 1:
-        raise ValueError(f"out must be {tuple(query.shape)} {query.dtype} with unit last stride")
-    tables = block_tables.to(torch.int32).contiguous()
-    qsl = query_start_loc.to(torch.int32).contiguous()
-    lens = seq_lens.to(torch.int32).contiguous()
-    num_seqs = lens.shape[0]
-    if qsl.shape[0] != num_seqs + 1 or tables.shape[0] != num_seqs:
-        raise ValueError("query_start_loc needs num_seqs + 1 entries and block_tables num_seqs rows")
+    paged_call.check_caches_and_out(query, k_cache, v_cache, out)
+    tables, qsl, lens = paged_call.host_tables(block_tables, query_start_loc, seq_lens)
     rc = _library().paged_attention(
-        out.data_ptr(), out.stride(0), out.stride(1),
-        query.data_ptr(), query.stride(0), query.stride(1),
-        k_cache.data_ptr(), v_cache.data_ptr(), *k_cache.stride()[:3],
-        tables.data_ptr(), tables.stride(0), qsl.data_ptr(), lens.data_ptr(),
-        num_seqs, num_tokens, num_heads, num_kv_heads, head_dim, block_size, scale,
+        *paged_call.leading_args(out, query, k_cache, v_cache, tables, qsl, lens),
+        lens.shape[0], num_tokens, num_heads, num_kv_heads, head_dim, block_size, scale,
         _DTYPES[query.dtype], num_tokens if max_query_len is None else max_query_len,
     )
     if rc != 0:

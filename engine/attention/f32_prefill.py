@@ -21,12 +21,9 @@ float32 sums and by its exponential (~1e-7 relative).
 
 from __future__ import annotations
 
-import ctypes
-import functools
-
 import torch
 
-from engine.attention import c_amx_tiles, c_flash_step, cbuild
+from engine.attention import c_amx_tiles, c_flash_step, paged_call
 
 _SOURCE = r"""
 #include <immintrin.h>
@@ -43,13 +40,7 @@ int f32_available(void) { return 1; }
 #define MAX_DIM 256
 #define MAX_GROUP 16
 
-""" + c_amx_tiles.HELPERS + "\n\n" + c_flash_step.SOFTMAX + r"""
-
-typedef struct { int32_t seq, t0, cost; } item_t;
-
-static int by_cost(const void *a, const void *b) {
-    return ((const item_t *)b)->cost - ((const item_t *)a)->cost;
-}
+""" + c_amx_tiles.HELPERS + "\n\n" + c_flash_step.SOFTMAX + "\n\n" + c_flash_step.WORK_ITEMS + r"""
 
 /* Per-thread scratch, 64-byte aligned. */
 typedef struct {
@@ -59,12 +50,6 @@ typedef struct {
     float *st;     /* [KEYS][ROWS] scores S^T of one head and step */
     float *pt;     /* [KEYS][ROWS] its softmax weights P^T */
 } scratch_t;
-
-static void *zalloc(size_t bytes) {
-    void *p = aligned_alloc(64, (bytes + 63) / 64 * 64);
-    if (p) memset(p, 0, bytes);
-    return p;
-}
 
 /* One query head's step over the keys whose rows are krow[0 .. n - 1] (and
    values vrow[0 .. n - 1]; krow past n points at a valid row, masked). */
@@ -122,25 +107,9 @@ int f32_prefill(
     if (dim % 32 || dim > MAX_DIM || dim <= 0 || group < 1 || group > MAX_GROUP
         || group * num_kv_heads != num_heads || min_query_len < 1 || num_seqs < 0)
         return -1;
-    int64_t num_tiles = 0;
-    for (int s = 0; s < num_seqs; s++) {
-        int q_len = query_start_loc[s + 1] - query_start_loc[s];
-        if (q_len >= min_query_len) num_tiles += (q_len + ROWS - 1) / ROWS;
-    }
-    if (num_tiles == 0) return 0;
-    item_t *tiles = malloc(sizeof(item_t) * num_tiles);
-    if (!tiles) return -1;
-    int64_t k = 0;
-    for (int s = 0; s < num_seqs; s++) {
-        int start = query_start_loc[s], end = query_start_loc[s + 1];
-        if (end - start < min_query_len) continue;
-        /* Longest first (keys a tile reads), so the dynamic schedule ends even. */
-        for (int t0 = start; t0 < end; t0 += ROWS) {
-            int nt = end - t0 < ROWS ? end - t0 : ROWS;
-            tiles[k++] = (item_t){s, t0, seq_lens[s] - (end - t0) + nt};
-        }
-    }
-    qsort(tiles, num_tiles, sizeof(item_t), by_cost);
+    int64_t num_tiles;
+    item_t *tiles = query_tiles(query_start_loc, seq_lens, num_seqs, min_query_len, &num_tiles);
+    if (num_tiles <= 0) return (int)num_tiles;
     int failed = 0;
     #pragma omp parallel
     {
@@ -178,11 +147,7 @@ int f32_prefill(
                     float *dst = sc.qt + ((int64_t)h * dim + d0) * ROWS;
                     for (int i = 0; i < 16; i++) _mm512_store_si512(dst + i * ROWS, x[i]);
                 }
-            memset(sc.o, 0, rows * dim * 4);
-            for (int64_t r = 0; r < rows; r++) {
-                sc.m[r] = -INFINITY;
-                sc.l[r] = 0.f;
-            }
+            start_item(sc.o, sc.m, sc.l, rows, dim);
             for (int c0 = 0; c0 < ctx_end; c0 += KEYS) {
                 int n = ctx_end - c0 < KEYS ? ctx_end - c0 : KEYS;
                 const float *krow[KEYS], *vrow[KEYS];
@@ -215,70 +180,9 @@ int f32_prefill(void) { return -1; }
 #endif
 """
 
-_I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 
-
-@functools.cache
-def _lib():
-    lib = cbuild.load("f32_prefill", _SOURCE)
-    if lib is None or lib.f32_available() != 1:
-        return None
-    fn = lib.f32_prefill
-    fn.restype = _INT
-    fn.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64,
-                   _PTR, _PTR, _INT, _INT, _INT, _INT, _INT, ctypes.c_float, _INT]
-    return lib
-
-
-def available() -> bool:
-    """Whether this CPU (AVX-512) and compiler run the kernel."""
-    return _lib() is not None
-
-
-def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether ``prefill`` serves these tensors: float32 on the CPU, head
-    size a multiple of 32 up to 256, at most 16 query heads per kv head."""
-    heads, dim = query.shape[1:]
-    kv_heads = k_cache.shape[2]
-    return (query.device.type == "cpu" and query.dtype == torch.float32
-            and k_cache.dtype == torch.float32 and query.stride(-1) == 1
-            and k_cache.stride(-1) == 1 and dim % 32 == 0 and dim <= 256
-            and heads % kv_heads == 0 and heads // kv_heads <= 16 and available())
-
-
-def prefill(
-    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int
-    query_start_loc: torch.Tensor,  # [num_seqs + 1] int, on the host
-    seq_lens: torch.Tensor,  # [num_seqs] int, on the host
-    scale: float,
-    out: torch.Tensor,
-    min_query_len: int = 1,
-) -> None:
-    """Causal attention of the sequences with at least ``min_query_len`` new
-    tokens, written to their rows of ``out`` (the others' rows are left as
-    they were). Check ``supports`` first; the new tokens' keys and values
-    must already be in the cache."""
-    num_tokens, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    if v_cache.stride() != k_cache.stride() or v_cache.dtype != k_cache.dtype:
-        raise ValueError("k_cache and v_cache must have the same layout and dtype")
-    if out.shape != query.shape or out.dtype != query.dtype or out.stride(-1) != 1:
-        raise ValueError(f"out must be {tuple(query.shape)} {query.dtype} with unit last stride")
-    tables = block_tables.to(torch.int32).contiguous()
-    qsl = query_start_loc.to(torch.int32).contiguous()
-    lens = seq_lens.to(torch.int32).contiguous()
-    num_seqs = lens.shape[0]
-    if qsl.shape[0] != num_seqs + 1 or tables.shape[0] != num_seqs:
-        raise ValueError("query_start_loc needs num_seqs + 1 entries and block_tables num_seqs rows")
-    rc = _lib().f32_prefill(
-        out.data_ptr(), out.stride(0), out.stride(1), query.data_ptr(), query.stride(0),
-        query.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), *k_cache.stride()[:3],
-        tables.data_ptr(), tables.stride(0), qsl.data_ptr(), lens.data_ptr(), num_seqs,
-        num_heads, num_kv_heads, head_dim, block_size, scale, min_query_len,
-    )
-    if rc != 0:
-        raise ValueError(f"f32_prefill cannot serve {num_heads} heads, {num_kv_heads} kv heads, "
-                         f"head_dim {head_dim}")
+_KERNEL = paged_call.TileKernel("f32_prefill", _SOURCE, torch.float32,
+                              lambda lib: lib.f32_available() == 1)
+available = _KERNEL.available
+supports = _KERNEL.supports
+prefill = _KERNEL.prefill

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
 import statistics
 import subprocess
@@ -91,8 +90,8 @@ def run_setup(name: str, args, model_dir: Path, vocab: int, log_dir: Path):
     log = log_dir / f"{name}.log"
     print(f"{name}: {' '.join(cmd[1:])}  (log {log})", flush=True)
     with open(log, "w") as fh:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ), stdout=fh,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT,
+                                start_new_session=True)
         try:
             url = f"http://{HOST}:{port}"
             model = wait_ready(url, proc, 300.0)

@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import engine.model_runner as model_runner  # noqa: E402
-from engine.attention import amx_prefill, cpu_attention  # noqa: E402
+from engine.attention import amx_prefill, cpu_attention, f32_prefill  # noqa: E402
 from engine.layers import cpu_ops, packed  # noqa: E402
 from tandem import LLM, SamplingParams  # noqa: E402
 
@@ -85,8 +85,9 @@ def main() -> None:
     cpu_attention.paged_attention = timed(totals, "attention (C kernel)",
                                           cpu_attention.paged_attention)
     cpu_attention.store_kv = timed(totals, "store new keys/values", cpu_attention.store_kv)
-    # A prompt's attention, from --prompt-len up (the tile kernel, or SDPA without it).
-    amx_prefill.prefill = timed(totals, "prompt attention (tiles)", amx_prefill.prefill)
+    # A prompt's attention, from --prompt-len up (a tile kernel, or SDPA without one).
+    for tiles in (amx_prefill, f32_prefill):
+        tiles.prefill = timed(totals, "prompt attention (tiles)", tiles.prefill)
     cpu_attention.prefill_sdpa = timed(totals, "prompt attention (SDPA)", cpu_attention.prefill_sdpa)
     for name in ("rms_norm", "silu_and_mul", "rotary_"):
         setattr(cpu_ops, name, timed(totals, name, getattr(cpu_ops, name)))

@@ -159,13 +159,10 @@ int amx_prefill(
         #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < num_tiles * num_kv_heads; it++) {
             if (!ok) continue;
-            item_t tile = tiles[it / num_kv_heads];
-            int g = (int)(it % num_kv_heads), s = tile.seq, t0 = tile.t0;
-            int start = query_start_loc[s], end = query_start_loc[s + 1];
-            int nt = end - t0 < ROWS ? end - t0 : ROWS;
-            /* keys the tile's first token sees; its last sees ctx0 + nt - 1 */
-            int ctx0 = seq_lens[s] - (end - start) + (t0 - start) + 1, ctx_end = ctx0 + nt - 1;
-            const int32_t *table = block_tables + (int64_t)s * bts0;
+            const work_t w = work_item(tiles, it, num_kv_heads, query_start_loc, seq_lens,
+                                       block_tables, bts0);
+            const int g = w.g, s = w.seq, t0 = w.t0, nt = w.nt, ctx0 = w.ctx0, ctx_end = w.ctx_end;
+            const int32_t *table = w.table;
             for (int h = 0; h < group; h++)
                 for (int kk = 0; kk < dim / 32; kk++) {
                     __m512i x[16];

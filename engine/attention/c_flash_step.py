@@ -12,7 +12,8 @@ a step's values (and keys, where the blocks do not hold whole 16-key tiles)
 repacked from the cache blocks into the tile layouts. Uses amx_prefill.py's
 ``scratch_t``, ``ROWS``, ``KEYS`` and c_amx_tiles.py's tile operations.
 ``SOFTMAX`` (the online softmax) and ``WORK_ITEMS`` (the query tiles both
-tile kernels walk, and a work item's start) serve f32_prefill.py too.
+tile kernels walk, a work item's numbers and its start) serve f32_prefill.py
+too.
 """
 
 SOFTMAX = r"""
@@ -107,6 +108,26 @@ static item_t *query_tiles(const int32_t *query_start_loc, const int32_t *seq_le
     }
     qsort(tiles, n, sizeof(item_t), by_cost);
     return tiles;
+}
+
+/* Work item `it` of a kernel's parallel loop: query tile it / num_kv_heads
+   and kv head it % num_kv_heads, with what the loop derives from them. */
+typedef struct {
+    int seq, g, t0, nt;    /* sequence, kv head, the tile's first row, its tokens (<= ROWS) */
+    int ctx0, ctx_end;     /* keys the tile's first token sees; its last sees ctx_end */
+    const int32_t *table;  /* the sequence's block table */
+} work_t;
+
+static inline work_t work_item(const item_t *tiles, int64_t it, int num_kv_heads,
+                               const int32_t *query_start_loc, const int32_t *seq_lens,
+                               const int32_t *block_tables, int64_t bts0)
+{
+    item_t tile = tiles[it / num_kv_heads];
+    int s = tile.seq, start = query_start_loc[s], end = query_start_loc[s + 1];
+    int nt = end - tile.t0 < ROWS ? end - tile.t0 : ROWS;
+    int ctx0 = seq_lens[s] - (end - start) + (tile.t0 - start) + 1;
+    return (work_t){s, (int)(it % num_kv_heads), tile.t0, nt, ctx0, ctx0 + nt - 1,
+                    block_tables + (int64_t)s * bts0};
 }
 
 /* A work item's start: its float32 accumulators (rows x dim) zero, each

@@ -42,6 +42,8 @@ def host_tables(block_tables: torch.Tensor, query_start_loc: torch.Tensor,
 
 def check_caches_and_out(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          out: torch.Tensor) -> None:
+    """ValueError unless both caches share a layout and dtype and ``out``
+    matches the query with a unit last stride."""
     if v_cache.stride() != k_cache.stride() or v_cache.dtype != k_cache.dtype:
         raise ValueError("k_cache and v_cache must have the same layout and dtype")
     if out.shape != query.shape or out.dtype != query.dtype or out.stride(-1) != 1:

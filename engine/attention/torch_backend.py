@@ -34,7 +34,7 @@ SDPA_FROM = 256
 # both sum in another order than the C kernel: below a tile, speculative
 # verification (k + 1 tokens) stays on the C kernel, whose rows compute
 # exactly as the decodes they stand for, so a greedy text is the same with
-# and without speculation. In float32 the tile kernel is 2.7-2.9x the C
+# and without speculation. In float32 the tile kernel is 2.6-2.9x the C
 # kernel's speed from 16 tokens (16 x 16 to 4 x 256 after 256 cached, a
 # layer on a 2-core AMD EPYC).
 TILE_FROM = 16

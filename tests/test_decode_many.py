@@ -146,25 +146,35 @@ async def test_errors_and_cancels_stay_with_their_request(both, gw):
 
 
 async def test_a_duplicate_tag_is_refused_alone(both, gw):
-    sp = params(temperature=0, max_tokens=30, ignore_eos=True)
+    # Long enough that the first request is surely still running when the
+    # second start reaches the worker (it is sent once the first chunk is back).
+    sp = params(temperature=0, max_tokens=300, ignore_eos=True)
     controls = [worker_pb2.DecodeControl(tag=7, start=worker_pb2.DecodeRequest(
         request_id=rid, prompt_token_ids=[1, 2, 3], params=sp)) for rid in ("dup-a", "dup-b")]
+    first_chunk = asyncio.Event()
 
     async def send():
-        for c in controls:
-            yield c
+        yield controls[0]
+        await first_chunk.wait()
+        yield controls[1]
         await asyncio.sleep(30)  # keep our side open until the worker has answered
 
     call = gw.stub(both).DecodeMany(send(), timeout=60)
-    ends = []
+    ends, tokens = [], 0
     async for batch in call:
-        ends += [(i.code, i.message) for i in batch.items if i.end]
+        first_chunk.set()
+        for item in batch.items:
+            tokens += len(item.chunk.token_ids)
+            if item.end:
+                ends.append((item.code, item.message, tokens))
         if len(ends) == 2:
             call.cancel()
             break
-    assert ends[0] == (StatusCode.INVALID_ARGUMENT.value[0],
-                       "tag 7 is already running on this stream")
-    assert ends[1] == (0, "")  # the first request under the tag ran to its end
+    code, message, tokens_then = ends[0]
+    assert (code, message) == (StatusCode.INVALID_ARGUMENT.value[0],
+                               "tag 7 is already running on this stream")
+    assert tokens_then < 300  # refused while the first request was running
+    assert ends[1] == (0, "", 300)  # the first request under the tag ran to its end
     await gw.wait_idle([both])
 
 

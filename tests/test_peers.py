@@ -156,3 +156,25 @@ def test_a_burst_keeps_every_completed_requests_ttft():
     assert (point["ok"], point["failed"], point["errors"]) == (2, 1, ["HTTP 429"])
     assert point["ttft_mean_ms"] == pytest.approx(300.0)
     assert point["rate"] == "inf" and point["stream_hash"] == "abc"
+
+
+def test_a_tandem_server_may_carry_worker_flags():
+    compare = _load("compare")
+    serving = _load("serving")
+    spec = "tandem-colocated:--max-num-batched-tokens=512;--max-num-seqs=64"
+    assert serving.split_server(spec) == (
+        "tandem-colocated", ["--max-num-batched-tokens=512", "--max-num-seqs=64"])
+    assert serving.server_label(spec).endswith(
+        "[--max-num-batched-tokens=512 --max-num-seqs=64]")
+    args = compare.parse_args(["--servers", f"vllm,{spec}", "--serve-dtype", "float32"])
+    args.vllm_python = "python"
+    cmd, _ = serving.server_command(spec, args, Path("/models/m"), 8000)
+    assert cmd[-2:] == ["--worker-arg=--max-num-batched-tokens=512",
+                        "--worker-arg=--max-num-seqs=64"]
+    plain, _ = serving.server_command("tandem-colocated", args, Path("/models/m"), 8000)
+    grpc_port = plain.index("--grpc-port") + 1  # a free port, picked anew each time
+    del plain[grpc_port], cmd[grpc_port]
+    assert plain == cmd[:-2]
+    for bad in ("vllm:--enforce-eager", "tandem-colocatd"):
+        with pytest.raises(SystemExit):
+            compare.parse_args(["--servers", bad])

@@ -59,7 +59,7 @@ from procs import (  # noqa: E402
     uptime,
     vllm_env,
 )
-from serving import run_serving  # noqa: E402
+from serving import run_serving, split_server  # noqa: E402
 
 
 def offline_run(system: str, work_file: Path, dtype: str, args: argparse.Namespace,
@@ -154,7 +154,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--run-timeout", type=float, default=1800.0, help="seconds per offline run")
     g = p.add_argument_group("serving")
     g.add_argument("--serving", action="store_true", help="also the serving comparison (slow)")
-    g.add_argument("--servers", default="vllm,tandem-colocated,tandem-disagg")
+    g.add_argument("--servers", default="vllm,tandem-colocated,tandem-disagg",
+                   help="in run order; a Tandem server may carry worker flags after a colon, "
+                        "';'-separated: tandem-colocated:--max-num-batched-tokens=2048")
     g.add_argument("--serve-dtype", default="bfloat16")
     g.add_argument("--serve-num-prompts", type=int, default=None,
                    help="default: --num-prompts")
@@ -178,6 +180,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.serve_input_len, args.serve_output_len = 64, 16
     if args.serve_repeat < 1:
         p.error("--serve-repeat must be at least 1")
+    for spec in args.servers.split(","):
+        try:
+            split_server(spec)
+        except ValueError as exc:
+            p.error(str(exc))
     if args.serve_num_prompts is None:
         args.serve_num_prompts = args.num_prompts
     args.vllm_python = args.vllm_venv / "bin" / "python"
@@ -207,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine.loader.resolve import resolve_model_dir
 
     needs_vllm = (args.offline and "vllm" in args.systems.split(",")) or (
-        args.serving and "vllm" in args.servers.split(","))
+        args.serving and "vllm" in [split_server(s)[0] for s in args.servers.split(",")])
     if needs_vllm and not args.vllm_python.exists():
         print(f"no vLLM venv at {args.vllm_venv}: run benchmarks/peers/install_vllm.sh first",
               file=sys.stderr)

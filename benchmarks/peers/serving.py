@@ -8,6 +8,7 @@ import argparse
 import asyncio
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -37,10 +38,29 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> str | None
     return None
 
 
-def server_command(server: str, args: argparse.Namespace, model_dir: Path,
+def split_server(spec: str) -> tuple[str, list[str]]:
+    """``NAME`` or ``NAME:FLAG;FLAG``: a Tandem server with extra worker flags
+    (``tandem-colocated:--max-num-batched-tokens=2048``), so that two settings
+    of one server run side by side in one comparison."""
+    server, _, flags = spec.partition(":")
+    if server not in SERVERS:
+        raise ValueError(f"unknown server {server!r}; one of {', '.join(SERVERS)}")
+    extra = [f for f in flags.split(";") if f]
+    if extra and server == "vllm":
+        raise ValueError("worker flags are for the Tandem servers")
+    return server, extra
+
+
+def server_label(spec: str) -> str:
+    server, extra = split_server(spec)
+    return SERVERS[server] + (f" [{' '.join(extra)}]" if extra else "")
+
+
+def server_command(spec: str, args: argparse.Namespace, model_dir: Path,
                    port: int) -> tuple[list[str], dict[str, str]]:
     from tandem.cluster import free_port
 
+    server, extra = split_server(spec)
     if server == "vllm":
         cmd = [str(args.vllm_python), "-m", "vllm.entrypoints.openai.api_server",
                "--model", str(model_dir), "--served-model-name", "smollm2",
@@ -59,6 +79,7 @@ def server_command(server: str, args: argparse.Namespace, model_dir: Path,
     # The gateway's default (`always`) computes every prompt on the prefill
     # worker; `auto` keeps the ones a handoff would not pay for on the decode worker.
     cmd += ["--disagg-policy", "auto" if server == "tandem-disagg-auto" else "always"]
+    cmd += [f"--worker-arg={flag}" for flag in extra]
     return cmd, {}
 
 
@@ -138,7 +159,7 @@ def summarize(server: str, points: list[dict], load: str) -> list[dict]:
         values = [p[key] for p in reps if key in p and not math.isnan(p[key])]
         return statistics.median(values) if values else math.nan
 
-    return [{"server": SERVERS[server], "rate": rate, "repeats": len(reps),
+    return [{"server": server_label(server), "rate": rate, "repeats": len(reps),
              "ok": sum(p["ok"] for p in reps), "failed": sum(p["failed"] for p in reps),
              "output_tok_s": median("output_tok_s", reps),
              "ttft_p50_ms": median("ttft_p50_ms", reps),
@@ -167,7 +188,7 @@ def run_serving(args: argparse.Namespace, out_dir: Path, model_dir: Path
     for server in args.servers.split(","):
         port = free_port()
         cmd, env = server_command(server, args, model_dir, port)
-        log = out_dir / "logs" / f"serve-{server}.log"
+        log = out_dir / "logs" / f"serve-{re.sub(r'[^A-Za-z0-9.=-]+', '_', server)}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         print(f"  {server}: starting ...", end="", flush=True)
         run = {"server": server, "command": " ".join(cmd), "env": env, "log": str(log),

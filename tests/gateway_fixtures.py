@@ -24,6 +24,7 @@ import subprocess
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -249,7 +250,14 @@ class RedisMonitor:
             self.lines.append(line.rstrip("\n"))
 
     def __exit__(self, *exc) -> None:
-        time.sleep(0.2)  # the last writes reach us
+        time.sleep(0.2)  # the gateway's last writes reach Redis
+        # Then a command of our own: once MONITOR has shown it to us, every
+        # write Redis ran before it has been read too, however slow the pipe.
+        marker = f"monitor-end-{uuid.uuid4().hex}"
+        subprocess.run(["redis-cli", "-u", self.url, "echo", marker], check=True,
+                       capture_output=True, timeout=10)
+        wait_until(lambda: any(marker in line for line in self.lines), 10,
+                   "redis-cli monitor to catch up")
         self._proc.terminate()
         self._proc.wait(10)
         self._reader.join(10)

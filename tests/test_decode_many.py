@@ -78,7 +78,8 @@ async def test_requests_on_one_stream_match_their_own_calls(both, gw):
 async def test_a_step_of_several_requests_is_one_message(both, gw):
     """Read raw: the batches of a stream with four requests decoding at once."""
     prompts = random_prompts([8] * 4, seed=12)
-    sp = params(temperature=0, max_tokens=24, ignore_eos=True)
+    # Long enough that the four overlap however late the worker reads a start.
+    sp = params(temperature=0, max_tokens=200, ignore_eos=True)
     controls: asyncio.Queue = asyncio.Queue()
 
     async def send():
@@ -100,7 +101,7 @@ async def test_a_step_of_several_requests_is_one_message(both, gw):
                 ended.add(item.tag)
         if len(ended) == 4:
             controls.put_nowait(None)  # our side is done: the worker ends the call
-    assert tokens == {1: 24, 2: 24, 3: 24, 4: 24}
+    assert tokens == {1: 200, 2: 200, 3: 200, 4: 200}
     # Decoding together, the four requests' tokens of a step share messages.
     assert widest >= 2
     await gw.wait_idle([both])

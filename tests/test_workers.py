@@ -401,9 +401,10 @@ async def test_unused_reservation_expires(workers, gw):
     before = metric(scrape(decode.metrics_port), "tandem:kv_reservations_expired_total") or 0
     prompt = unique_prompt(100)
     sp = params(temperature=0, max_tokens=4)
-    ticket = await gw.reserve(decode, "lease", prompt, sp, lease_ms=300)
+    # A lease long enough that the Info right after surely sees the blocks held.
+    ticket = await gw.reserve(decode, "lease", prompt, sp, lease_ms=1500)
     assert (await gw.info(decode)).free_blocks == NUM_BLOCKS - len(ticket.block_ids)
-    await gw.wait_idle(workers.all, timeout=5)
+    await gw.wait_idle(workers.all, timeout=10)
     after = metric(scrape(decode.metrics_port), "tandem:kv_reservations_expired_total")
     assert after == before + 1
     # The ticket is dead: the prefill worker refuses it before computing.

@@ -96,9 +96,10 @@ int amx_prefill(
 #define SERVED(s) (query_start_loc[(s) + 1] - query_start_loc[s] >= min_query_len)
 #define TILES(s) ((query_start_loc[(s) + 1] - query_start_loc[s] + ROWS - 1) / ROWS)
     /* Query tiles, and the 32-key steps of the caches packed ahead. */
-    int64_t num_tiles, num_steps = 0;
-    item_t *tiles = query_tiles(query_start_loc, seq_lens, num_seqs, min_query_len, &num_tiles);
-    if (num_tiles <= 0) return (int)num_tiles;
+    int64_t num_items, num_steps = 0;
+    item_t *items = work_items(query_start_loc, seq_lens, num_seqs, num_kv_heads, min_query_len,
+                                &num_items);
+    if (num_items <= 0) return (int)num_items;
     for (int s = 0; s < num_seqs; s++)
         if (SERVED(s) && TILES(s) >= PACK_AHEAD) num_steps += (seq_lens[s] + KEYS - 1) / KEYS;
     /* A sequence of PACK_AHEAD+ tiles has each step's values (and keys,
@@ -157,10 +158,9 @@ int amx_prefill(
             failed = 1;
         }
         #pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < num_tiles * num_kv_heads; it++) {
+        for (int64_t it = 0; it < num_items; it++) {
             if (!ok) continue;
-            const work_t w = work_item(tiles, it, num_kv_heads, query_start_loc, seq_lens,
-                                       block_tables, bts0);
+            const work_t w = work_item(items, it, query_start_loc, seq_lens, block_tables, bts0);
             const int g = w.g, s = w.seq, t0 = w.t0, nt = w.nt, ctx0 = w.ctx0, ctx_end = w.ctx_end;
             const int32_t *table = w.table;
             for (int h = 0; h < group; h++)
@@ -213,7 +213,7 @@ int amx_prefill(
         free(sc.qt); free(sc.o); free(sc.m); free(sc.l); free(sc.vp); free(sc.k); free(sc.st); free(sc.pt);
     }
 done:
-    free(tiles); free(first); free(step_seq); free(vpack); free(kpack);
+    free(items); free(first); free(step_seq); free(vpack); free(kpack);
     return failed ? -1 : 0;
 }
 #else

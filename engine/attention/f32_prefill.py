@@ -107,9 +107,10 @@ int f32_prefill(
     if (dim % 32 || dim > MAX_DIM || dim <= 0 || group < 1 || group > MAX_GROUP
         || group * num_kv_heads != num_heads || min_query_len < 1 || num_seqs < 0)
         return -1;
-    int64_t num_tiles;
-    item_t *tiles = query_tiles(query_start_loc, seq_lens, num_seqs, min_query_len, &num_tiles);
-    if (num_tiles <= 0) return (int)num_tiles;
+    int64_t num_items;
+    item_t *items = work_items(query_start_loc, seq_lens, num_seqs, num_kv_heads, min_query_len,
+                                &num_items);
+    if (num_items <= 0) return (int)num_items;
     int failed = 0;
     #pragma omp parallel
     {
@@ -127,10 +128,9 @@ int f32_prefill(
             failed = 1;
         }
         #pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < num_tiles * num_kv_heads; it++) {
+        for (int64_t it = 0; it < num_items; it++) {
             if (!ok) continue;
-            const work_t w = work_item(tiles, it, num_kv_heads, query_start_loc, seq_lens,
-                                       block_tables, bts0);
+            const work_t w = work_item(items, it, query_start_loc, seq_lens, block_tables, bts0);
             const int g = w.g, t0 = w.t0, nt = w.nt, ctx0 = w.ctx0, ctx_end = w.ctx_end;
             const int32_t *table = w.table;
             /* Q^T of each head, 16 elements at a time (zero past the tile's tokens). */
@@ -168,7 +168,7 @@ int f32_prefill(
         }
         free(sc.qt); free(sc.o); free(sc.m); free(sc.l); free(sc.st); free(sc.pt);
     }
-    free(tiles);
+    free(items);
     return failed ? -1 : 0;
 }
 #else

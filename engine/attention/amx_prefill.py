@@ -95,7 +95,7 @@ int amx_prefill(
         return -1;
 #define SERVED(s) (query_start_loc[(s) + 1] - query_start_loc[s] >= min_query_len)
 #define TILES(s) ((query_start_loc[(s) + 1] - query_start_loc[s] + ROWS - 1) / ROWS)
-    /* Query tiles, and the 32-key steps of the caches packed ahead. */
+    /* Work items, and the 32-key steps of the caches packed ahead. */
     int64_t num_items, num_steps = 0;
     item_t *items = work_items(query_start_loc, seq_lens, num_seqs, num_kv_heads, min_query_len,
                                 &num_items);

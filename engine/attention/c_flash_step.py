@@ -100,27 +100,21 @@ static void *zalloc(size_t bytes) {
 static item_t *work_items(const int32_t *query_start_loc, const int32_t *seq_lens, int num_seqs,
                           int num_kv_heads, int min_query_len, int64_t *count)
 {
+    by_len_t *order = num_seqs > 0 ? malloc(sizeof(by_len_t) * num_seqs) : NULL;
     int64_t n = 0;
     int served = 0;
-    for (int s = 0; s < num_seqs; s++) {
+    for (int s = 0; order && s < num_seqs; s++) {
         int q_len = query_start_loc[s + 1] - query_start_loc[s];
-        if (q_len >= min_query_len) {
-            n += (int64_t)(q_len + ROWS - 1) / ROWS * num_kv_heads;
-            served++;
-        }
+        if (q_len < min_query_len) continue;
+        n += (int64_t)(q_len + ROWS - 1) / ROWS * num_kv_heads;
+        order[served++] = (by_len_t){seq_lens[s], s};
     }
     item_t *items = n ? malloc(sizeof(item_t) * n) : NULL;
-    by_len_t *order = served ? malloc(sizeof(by_len_t) * served) : NULL;
-    if (!items || !order) {
-        free(items);
+    if (!items) {
         free(order);
-        *count = n ? -1 : 0;
+        *count = n || (num_seqs > 0 && !order) ? -1 : 0;
         return NULL;
     }
-    served = 0;
-    for (int s = 0; s < num_seqs; s++)
-        if (query_start_loc[s + 1] - query_start_loc[s] >= min_query_len)
-            order[served++] = (by_len_t){seq_lens[s], s};
     qsort(order, served, sizeof(by_len_t), longest_first);
     int64_t k = 0;
     for (int i = 0; i < served; i++) {

@@ -29,9 +29,17 @@ count follows the cores held, one thread each.
 
 Some work cannot wait for a neighbour to idle: a prefill worker's backlog is
 every queued request's time to first token, while its decode neighbour's
-running requests lose only one token's time to a step lent out. A lease
-with a ``wait_s`` (a prefill worker's) that starts a step with a backlog
-(more queued than the step can take) and finds a core's owner busy
+running requests lose only one token's time to a step lent out. A backlog
+here is more queued than the worker's own cores compute in the time the
+host's cores (its own and those it may borrow) take for a whole step: with
+one core of two, half a step's budget. Above it, the queue keeps the worker's
+own cores busy longer than a full step keeps all of them (the tail of a
+burst, one step short of a whole budget, took twice as long on one core than
+lent the other); below it, as with a
+few short prompts queued, the neighbour keeps its cores (lent for every step,
+they doubled its time per output token: docs/benchmarks.md, eighteenth
+session). A lease with a ``wait_s`` (a prefill worker's) that starts a step
+with a backlog and finds a core's owner busy
 takes ``.want`` and waits up to ``wait_s`` for it; an owner that sees
 ``.want`` held at the start of a step lends its cores for the borrower's
 next step and takes them back after it. Under a backlog the two take
@@ -94,13 +102,20 @@ class CoreLease:
         self.steps_borrowing = 0  # steps that ran on at least one borrowed core
         self.steps_lent = 0  # a waiting neighbour's steps this worker's cores were lent to
 
-    def begin_step(self, backlog: Callable[[], bool] | None = None,
+    @property
+    def own_share(self) -> float:
+        """This worker's share of the cores it computes on when it borrows
+        all it may: the share of a step's budget that makes a backlog."""
+        return len(self.own) / (len(self.own) + len(self.others))
+
+    def begin_step(self, backlog: Callable[[float], bool] | None = None,
                    borrow: bool = True) -> int:
         """Hold this worker's own cores (waiting for a borrower's step to
         end), borrow whichever idle neighbours' cores are free (unless
-        ``borrow`` is False; if ``backlog()`` says so, wait up to ``wait_s``
-        for busy ones to lend theirs; asked only then, not every step), and
-        size torch's thread team to match. Returns the thread count."""
+        ``borrow`` is False; if ``backlog(own_share)`` says so, wait up to
+        ``wait_s`` for busy ones to lend theirs; asked only then, not every
+        step), and size torch's thread team to match. Returns the thread
+        count."""
         if self._holding_own and self._neighbour_waits():
             self._lend_one_step()  # then this step: a step of each, by turns
         if not self._holding_own:
@@ -109,14 +124,14 @@ class CoreLease:
                 fcntl.flock(self._run[core], fcntl.LOCK_EX)  # a borrower's step at most
             self._holding_own = True
         missing = [core for core in self.others if not (borrow and self._borrow(core))]
-        if missing and self.wait_s > 0 and backlog is not None and backlog():
+        if missing and self.wait_s > 0 and backlog is not None and backlog(self.own_share):
             self._wait_for(missing)
         self.steps_borrowing += bool(self.borrowed)
         self._set_threads(len(self.own) + len(self.borrowed))
         return self._threads
 
     @contextlib.contextmanager
-    def step(self, backlog: Callable[[], bool] | None = None,
+    def step(self, backlog: Callable[[float], bool] | None = None,
              busy: Callable[[], bool] | None = None, borrow: bool = True) -> Iterator[None]:
         """``begin_step`` and ``end_step`` around a block; ``busy()`` (None:
         not busy) is asked once it has run, however it ends."""

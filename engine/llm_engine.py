@@ -257,11 +257,12 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def has_backlog(self) -> bool:
-        """A whole step's budget of work or more is queued: the next step
-        is a full one, and what it cannot take waits for the one after (a
-        prefill worker then asks its neighbours for cores)."""
-        return self.scheduler.backlogged
+    def has_backlog(self, share: float = 1.0) -> bool:
+        """``share`` of a step's budget of work or more is queued (1: the
+        next step is a full one, and what it cannot take waits for the one
+        after). A prefill worker then asks its neighbours for cores
+        (engine/core_lease.py says which share)."""
+        return self.scheduler.backlogged(share)
 
     def awaits_remote_kv(self) -> bool:
         """Blocks are reserved for KV that a prefill worker computes now."""

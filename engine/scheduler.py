@@ -283,11 +283,12 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting) + len(self.remote)
 
-    @property
-    def backlogged(self) -> bool:
-        """Whether the queued and the running requests have a whole step's
-        budget of tokens or more to compute."""
-        left = self.config.max_num_batched_tokens
+    def backlogged(self, share: float = 1.0) -> bool:
+        """Whether the queued and the running requests have ``share`` of a
+        step's budget of tokens or more to compute (1: a whole step)."""
+        if not 0 < share <= 1:
+            raise ValueError(f"share must be in (0, 1], got {share}")
+        left = self.config.max_num_batched_tokens * share
         for request in itertools.chain(self.running, self.waiting):
             left -= request.num_tokens - request.num_computed_tokens
             if left <= 0:

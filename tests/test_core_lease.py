@@ -171,7 +171,7 @@ def test_a_busy_owner_lends_a_neighbour_with_a_backlog_every_other_step(tmp_path
         seen = []
         for _ in range(3):
             # The owner is busy, but lends its core for this step...
-            assert lease.begin_step(backlog=lambda: True) == 2 and lease.borrowed == [1]
+            assert lease.begin_step(backlog=lambda share: True) == 2 and lease.borrowed == [1]
             before = steps.value
             time.sleep(0.3)
             # ... and does not step on it meanwhile.
@@ -192,14 +192,18 @@ def test_a_borrower_without_a_backlog_does_not_wait_for_a_busy_owner(tmp_path):
     owner, _, stop = _stepping_neighbour(tmp_path)
     waits = CoreLease([0], [0, 1], tmp_path, wait_s=10)
     never = CoreLease([2], [1, 2], tmp_path)  # wait_s 0: never waits
+    asked = []
     try:
         for _ in range(3):
             start = time.monotonic()
-            assert waits.begin_step(backlog=lambda: False) == 1 and waits.borrowed == []
-            assert never.begin_step(backlog=lambda: True) == 1 and never.borrowed == []
+            assert waits.begin_step(backlog=lambda share: asked.append(share) or False) == 1
+            assert waits.borrowed == []
+            assert never.begin_step(backlog=lambda share: True) == 1 and never.borrowed == []
             assert time.monotonic() - start < 5  # neither waited its 10 s
             waits.end_step(busy=True)
             never.end_step(busy=True)
+        # Asked with its share of the cores: one of two, so half a step's budget.
+        assert asked == [0.5, 0.5, 0.5]
     finally:
         stop.set()
         owner.join(30)
@@ -213,7 +217,7 @@ def test_a_borrower_with_a_backlog_waits_no_longer_than_its_bound(tmp_path):
     lease = CoreLease([0], [0, 1], tmp_path, wait_s=0.3)
     try:
         start = time.monotonic()
-        assert lease.begin_step(backlog=lambda: True) == 1 and lease.borrowed == []
+        assert lease.begin_step(backlog=lambda share: True) == 1 and lease.borrowed == []
         waited = time.monotonic() - start
         assert 0.3 <= waited < 10
         lease.end_step(busy=True)
@@ -229,6 +233,16 @@ def test_a_borrower_with_a_backlog_waits_no_longer_than_its_bound(tmp_path):
         done.set()
         neighbour.join(30)
         lease.close()
+
+
+def test_a_backlog_is_the_share_of_a_step_that_own_cores_compute_alone(tmp_path):
+    for own, borrow, share in (([0], [0, 1], 1 / 2), ([0], [0, 1, 2], 1 / 3),
+                               ([0, 1], [0, 1, 2, 3], 1 / 2), ([0, 1], [0, 1], 1.0)):
+        lease = CoreLease(own, borrow, tmp_path)
+        try:
+            assert lease.own_share == pytest.approx(share)
+        finally:
+            lease.close()
 
 
 def test_a_lease_needs_a_core_of_its_own(tmp_path):

@@ -332,16 +332,29 @@ def test_prefix_cache_hit_skips_the_cached_tokens():
 
 def test_backlogged_when_a_whole_step_of_tokens_waits():
     sched = make_scheduler(num_blocks=256, budget=64)
-    assert not sched.backlogged
+    assert not sched.backlogged()
     sched.add_request(make_request("a", 40, max_tokens=4))
-    assert not sched.backlogged  # 40 tokens: less than a step
+    assert not sched.backlogged()  # 40 tokens: less than a step
     sched.add_request(make_request("b", 24, max_tokens=4))
-    assert sched.backlogged  # 64: a whole step
+    assert sched.backlogged()  # 64: a whole step
     sched.add_request(make_request("c", 40, max_tokens=4))
     step(sched)  # a's 40, b's 24
-    assert not sched.backlogged  # a's and b's next token, c's 40
+    assert not sched.backlogged()  # a's and b's next token, c's 40
     sched.add_request(make_request("d", 30, max_tokens=4))
-    assert sched.backlogged  # and d's 30
+    assert sched.backlogged()  # and d's 30
     drain(sched)
-    assert not sched.backlogged
+    assert not sched.backlogged()
+    assert_empty(sched)
+
+
+def test_backlogged_for_a_share_of_a_step():
+    sched = make_scheduler(num_blocks=256, budget=64)
+    sched.add_request(make_request("a", 31, max_tokens=4))
+    assert not sched.backlogged(0.5)  # 31 of the 32 tokens that make half a step
+    sched.add_request(make_request("b", 1, max_tokens=4))
+    assert sched.backlogged(0.5) and not sched.backlogged()
+    for share in (0, -0.5, 1.5):
+        with pytest.raises(ValueError, match="share"):
+            sched.backlogged(share)
+    drain(sched)
     assert_empty(sched)

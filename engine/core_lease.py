@@ -29,23 +29,25 @@ count follows the cores held, one thread each.
 
 Some work cannot wait for a neighbour to idle: a prefill worker's backlog is
 every queued request's time to first token, while its decode neighbour's
-running requests lose only one token's time to a step lent out. A backlog
-here is more queued than the worker's own cores compute in the time the
-host's cores (its own and those it may borrow) take for a whole step: with
-one core of two, half a step's budget. Above it, the queue keeps the worker's
-own cores busy longer than a full step keeps all of them (the tail of a
-burst, one step short of a whole budget, took twice as long on one core than
-lent the other); below it, as with a
-few short prompts queued, the neighbour keeps its cores (lent for every step,
-they doubled its time per output token: docs/benchmarks.md, eighteenth
-session). A lease with a ``wait_s`` (a prefill worker's) that starts a step
-with a backlog and finds a core's owner busy
-takes ``.want`` and waits up to ``wait_s`` for it; an owner that sees
-``.want`` held at the start of a step lends its cores for the borrower's
-next step and takes them back after it. Under a backlog the two take
-turns, a step each, so a decode worker's requests still get a token every
-other step; the borrower waits for the owner's step to end (the short
-one), never the owner for the borrower's idle time.
+running requests lose only one token's time to a step lent out.
+
+A backlog here is more queued than the worker's own cores compute in the
+time that all the cores it may use take for a whole step: with one core of
+two, half a step's budget (``own_share``). Above it, the queue computed alone
+waits longer than a full lent step would take; the tail of a burst, just short
+of a whole budget, took twice as long on one core. Below it, as with a few
+short prompts queued, the neighbour keeps its cores: lent for every step,
+they doubled its time per output token (docs/benchmarks.md, eighteenth
+session).
+
+A lease with a ``wait_s`` (a prefill worker's) that starts a step with a
+backlog and finds a core's owner busy takes ``.want`` and waits up to
+``wait_s`` for it; an owner that sees ``.want`` held at the start of a step
+lends its cores for the borrower's next step and takes them back after it.
+Under a backlog the two take turns, a step each, so a decode worker's
+requests still get a token every other step; the borrower waits for the
+owner's step to end (the short one), never the owner for the borrower's
+idle time.
 """
 
 from __future__ import annotations

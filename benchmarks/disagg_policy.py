@@ -5,7 +5,9 @@
         [--request-rate 1.0] [--goodput ttft:2000 tpot:150] [--transport mooncake]
 
 One cluster: 1 prefill and 1 decode worker (the bundled SmolLM2), each on
-its own half of the cores as ``tandem up`` places them, and three gateways
+its own half of the cores and lending it to the other while idle or under a
+prefill backlog, as ``tandem up`` places them (``--no-lend-cores``: as
+``tandem up --no-lend-cores``), and three gateways
 in front of the same two workers, one per policy. Each round sends the same
 request stream (``tandem bench serve --dataset mixed``: Poisson arrivals,
 most prompts short and a fraction long, random token ids) through each
@@ -86,6 +88,8 @@ def main() -> None:
     ap.add_argument("--transport", default="mooncake", choices=["grpc", "torch", "mooncake"])
     ap.add_argument("--kv-cache-gib", default="0.5")
     ap.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M")
+    ap.add_argument("--lend-cores", action=argparse.BooleanOptionalAction, default=True,
+                    help="workers lend each other their cores, as tandem up's")
     args = ap.parse_args()
 
     from engine.loader.resolve import resolve_model_dir
@@ -93,7 +97,8 @@ def main() -> None:
 
     model_dir = resolve_model_dir(args.model)
     cores = split_cores(2)
-    pin = [["--cpu-cores", c] for c in cores] if cores else [[], []]
+    lend = ["--borrow-cores", ",".join(cores)] if cores and args.lend_cores else []
+    pin = [["--cpu-cores", c, *lend] for c in cores] if cores else [[], []]
     wire = "mooncake,grpc" if args.transport == "mooncake" else args.transport
     # NOTE: no prefix caching: every policy sends the same prompts, which the
     # workers would otherwise serve from the cache after the first policy.
@@ -112,7 +117,8 @@ def main() -> None:
                 "--disagg-policy", policy])
             gateways[policy] = (f"http://{gw.address}", f"http://{gw.address}/metrics")
         print(f"cores: prefill {cores[0] if cores else 'all'}, decode "
-              f"{cores[1] if cores else 'all'}; transport {args.transport}", flush=True)
+              f"{cores[1] if cores else 'all'}{', lent' if lend else ''}; "
+              f"transport {args.transport}", flush=True)
         for r in range(args.rounds):
             order = POLICIES[r % 3:] + POLICIES[:r % 3]
             for policy in order:

@@ -93,12 +93,11 @@ def main() -> None:
     args = ap.parse_args()
 
     from engine.loader.resolve import resolve_model_dir
-    from worker.cpu_cores import split_cores
+    from worker.cpu_cores import placement_flags, split_cores
 
     model_dir = resolve_model_dir(args.model)
     cores = split_cores(2)
-    lend = ["--borrow-cores", ",".join(cores)] if cores and args.lend_cores else []
-    pin = [["--cpu-cores", c, *lend] for c in cores] if cores else [[], []]
+    pin = placement_flags(cores, args.lend_cores) if cores else [[], []]
     wire = "mooncake,grpc" if args.transport == "mooncake" else args.transport
     # NOTE: no prefix caching: every policy sends the same prompts, which the
     # workers would otherwise serve from the cache after the first policy.
@@ -117,7 +116,7 @@ def main() -> None:
                 "--disagg-policy", policy])
             gateways[policy] = (f"http://{gw.address}", f"http://{gw.address}/metrics")
         print(f"cores: prefill {cores[0] if cores else 'all'}, decode "
-              f"{cores[1] if cores else 'all'}{', lent' if lend else ''}; "
+              f"{cores[1] if cores else 'all'}{', lent' if cores and args.lend_cores else ''}; "
               f"transport {args.transport}", flush=True)
         for r in range(args.rounds):
             order = POLICIES[r % 3:] + POLICIES[:r % 3]

@@ -273,12 +273,12 @@ def main() -> None:
     sizes, repeats = args.sizes_mib, args.repeats
 
     from tandem.cluster import LocalCluster
-    from worker.cpu_cores import parse_cores, split_cores
+    from worker.cpu_cores import parse_cores, placement_flags, split_cores
 
     # Cores as `tandem up` deals them to one prefill and one decode worker:
     # the decode worker owns the second share and may borrow the first.
     shares = None if args.unplaced else split_cores(2)
-    placed = [] if shares is None else ["--cpu-cores", shares[1], "--borrow-cores", ",".join(shares)]
+    placed = [] if shares is None else placement_flags(shares)[1]
     own = []  # this side's mooncake engine cores
     if shares is not None and args.mooncake_cores:
         placed += ["--mooncake-cores", shares[1]]

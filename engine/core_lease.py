@@ -34,8 +34,9 @@ running requests lose only one token's time to a step lent out.
 A backlog here is more queued than the worker's own cores compute in the
 time that all the cores it may use take for a whole step: with one core of
 two, half a step's budget (``own_share``). Above it, the queue computed alone
-waits longer than a full lent step would take; the tail of a burst, just short
-of a whole budget, took twice as long on one core. Below it, as with a few
+waits longer than a full lent step would take (the tail of a burst, just
+short of a whole budget, took 2.1-3.5 s on one core against 1.2-1.5 s lent).
+Below it, as with a few
 short prompts queued, the neighbour keeps its cores: lent for every step,
 they doubled its time per output token (docs/benchmarks.md, eighteenth
 session).

@@ -17,7 +17,7 @@ import threading
 from engine.config import DTYPE_CHOICES, CacheConfig, EngineConfig, default_of
 from gateway.disagg_policy import POLICIES
 from tandem.cluster import LocalCluster
-from worker.cpu_cores import split_cores
+from worker.cpu_cores import placement_flags, split_cores
 
 
 def up_args(**overrides) -> argparse.Namespace:
@@ -83,12 +83,10 @@ def start_cluster(args: argparse.Namespace, cluster: LocalCluster):
     # fewer cores than workers): full OpenMP teams side by side stall each other.
     cores = None if any(a.startswith("--cpu-cores") for a in args.worker_arg) \
         else split_cores(args.prefill + args.decode)
-
-    lend = [] if cores is None or len(cores) < 2 or not args.lend_cores \
-        else ["--borrow-cores", ",".join(cores)]
+    flags = None if cores is None else placement_flags(cores, args.lend_cores)
 
     def placed(i: int) -> list[str]:
-        cpu = [] if cores is None else ["--cpu-cores", cores[i], *lend]
+        cpu = [] if flags is None else flags[i]
         return cpu + ([] if args.metrics_port is None
                       else ["--metrics-port", str(args.metrics_port + i)])
 

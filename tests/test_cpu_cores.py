@@ -11,7 +11,7 @@ from engine_fixtures import tiny
 from worker_fixtures import refused_start, start_worker
 
 from tandem.cluster import LocalCluster
-from worker.cpu_cores import format_cores, parse_cores, split_cores
+from worker.cpu_cores import format_cores, parse_cores, placement_flags, split_cores
 
 
 def test_core_lists_round_trip():
@@ -31,6 +31,14 @@ def test_split_deals_disjoint_even_shares():
     assert split_cores(3, [0, 1]) is None  # fewer cores than workers: they share
     shares = [parse_cores(s) for s in split_cores(4, list(range(16)))]
     assert sorted(c for s in shares for c in s) == list(range(16))
+
+
+def test_placement_gives_each_worker_its_share_and_lends_them_all():
+    assert placement_flags(["0-1", "2-3"]) == [
+        ["--cpu-cores", "0-1", "--borrow-cores", "0-1,2-3"],
+        ["--cpu-cores", "2-3", "--borrow-cores", "0-1,2-3"]]
+    assert placement_flags(["0", "1"], lend=False) == [["--cpu-cores", "0"], ["--cpu-cores", "1"]]
+    assert placement_flags(["0-3"]) == [["--cpu-cores", "0-3"]]  # nobody to borrow from
 
 
 def _allowed_cores(pid: int) -> list[int]:

@@ -59,6 +59,15 @@ def split_cores(num_workers: int, available: list[int] | None = None) -> list[st
     return out
 
 
+def placement_flags(shares: list[str], lend: bool = True) -> list[list[str]]:
+    """Each worker's flags for its share of the cores (``split_cores``):
+    ``--cpu-cores``, and with ``lend`` (and two shares or more)
+    ``--borrow-cores`` over all of them, so that each computes on the
+    others' cores while they idle. How ``tandem up`` places its workers."""
+    borrow = ["--borrow-cores", ",".join(shares)] if lend and len(shares) > 1 else []
+    return [["--cpu-cores", share, *borrow] for share in shares]
+
+
 def check_available(cores: list[int], what: str = "cores") -> list[int]:
     """``cores``, if this process may run on every one of them; ValueError
     naming the ones it may not (``what``: the flag they came from)."""

@@ -100,10 +100,16 @@ static void *zalloc(size_t bytes) {
 static item_t *work_items(const int32_t *query_start_loc, const int32_t *seq_lens, int num_seqs,
                           int num_kv_heads, int min_query_len, int64_t *count)
 {
-    by_len_t *order = num_seqs > 0 ? malloc(sizeof(by_len_t) * num_seqs) : NULL;
+    *count = 0;
+    if (num_seqs <= 0) return NULL;
+    by_len_t *order = malloc(sizeof(by_len_t) * num_seqs);
+    if (!order) {
+        *count = -1;
+        return NULL;
+    }
     int64_t n = 0;
     int served = 0;
-    for (int s = 0; order && s < num_seqs; s++) {
+    for (int s = 0; s < num_seqs; s++) {
         int q_len = query_start_loc[s + 1] - query_start_loc[s];
         if (q_len < min_query_len) continue;
         n += (int64_t)(q_len + ROWS - 1) / ROWS * num_kv_heads;
@@ -112,7 +118,7 @@ static item_t *work_items(const int32_t *query_start_loc, const int32_t *seq_len
     item_t *items = n ? malloc(sizeof(item_t) * n) : NULL;
     if (!items) {
         free(order);
-        *count = n || (num_seqs > 0 && !order) ? -1 : 0;
+        *count = n ? -1 : 0;
         return NULL;
     }
     qsort(order, served, sizeof(by_len_t), longest_first);

@@ -20,7 +20,10 @@ class IncrementalDetokenizer:
         stop: list[str] | None = None,
         include_stop_str_in_output: bool = False,
         skip_special_tokens: bool = True,
+        min_tokens: int = 0,
     ) -> None:
+        """Stop strings are looked for once more than ``min_tokens`` tokens
+        are in (as in vLLM): text of the first ``min_tokens`` never stops."""
         self.tokenizer = tokenizer
         # A few prompt tokens give the first output token its context (a
         # leading space, a continued word).
@@ -34,6 +37,8 @@ class IncrementalDetokenizer:
         self.text = ""  # everything decoded so far (stop-truncated)
         self.num_emitted = 0  # characters of ``text`` already handed out
         self.stop_reason: str | None = None
+        self.min_tokens = min_tokens
+        self.num_tokens = 0  # tokens added
 
     def restart(self, token_ids: list[int]) -> None:
         """Continue after ``token_ids`` whose text was handed out elsewhere."""
@@ -45,6 +50,7 @@ class IncrementalDetokenizer:
         """Decode one more token; sets ``stop_reason`` if a stop string matched."""
         if self.stop_reason is not None:
             return
+        self.num_tokens += 1
         self.ids.append(token_id)
         decode = self.tokenizer.decode
         prefix = decode(self.ids[self.prefix_offset : self.read_offset], self.skip_special)
@@ -57,6 +63,8 @@ class IncrementalDetokenizer:
     def _append(self, delta: str) -> None:
         start = max(0, len(self.text) - self.holdback)
         self.text += delta
+        if self.num_tokens <= self.min_tokens:
+            return
         for s in self.stop:
             at = self.text.find(s, start)
             if at != -1:

@@ -18,9 +18,11 @@ What a request's blocks go through, by caller::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from engine.completions import split_completions
 from engine.config import EngineConfig
@@ -107,8 +109,8 @@ class LLMEngine:
         sent (a migrated request): they are recomputed with the prompt and
         not output again.
         """
-        params = params or SamplingParams()
         text, token_ids = self.tokenize(prompt)
+        params = self.resolve_max_tokens(token_ids, params or SamplingParams())
         self.validate(token_ids, params)
         if (hold_blocks or output_token_ids) and params.n != 1:
             raise ValueError("a request that holds its blocks or resumes is one sequence (n=1)")
@@ -310,7 +312,13 @@ class LLMEngine:
         what KV transfer moves. Use only with ids this engine handed out."""
         return self.runner.kv_blocks
 
-    def tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
+    def tokenize(self, prompt: str | Sequence[int] | Mapping[str, Any],
+                 ) -> tuple[str | None, list[int]]:
+        """The prompt's text (None for token ids) and token ids. A prompt is
+        a string, token ids, or vLLM's ``{"prompt": text}`` /
+        ``{"prompt_token_ids": ids}``."""
+        if isinstance(prompt, Mapping):
+            prompt = _prompt_of(prompt)
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
@@ -319,10 +327,18 @@ class LLMEngine:
             return prompt, self.tokenizer.encode(prompt)
         return None, prompt_token_ids(prompt)
 
+    def resolve_max_tokens(self, token_ids: list[int], params: SamplingParams) -> SamplingParams:
+        """``params`` with ``max_tokens=None`` (as many as the context has
+        room for after the prompt, as in vLLM) made a number."""
+        if params.max_tokens is not None:
+            return params
+        return dataclasses.replace(params, max_tokens=max(1, self.max_model_len - len(token_ids)))
+
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
         """ValueError unless this engine can serve the request (the gateway
         runs the same ``check_request``; this adds what only the engine
         knows: whether its cache can ever hold the request)."""
+        params = self.resolve_max_tokens(token_ids, params)
         check_request(token_ids, params, self.model_config, self.max_model_len,
                       self.config.scheduler.max_n)
         if params.structured_outputs is not None and self.tokenizer is None:
@@ -391,3 +407,15 @@ class LLMEngine:
         """``callback()`` (from any thread) once the engine can no longer
         step: its tensor-parallel group broke (EngineUnusable)."""
         self.runner.tp.on_broken.append(callback)
+
+
+def _prompt_of(prompt: Mapping[str, Any]) -> str | list[int]:
+    """The text or token ids of a vLLM-style prompt dict (``TextPrompt`` /
+    ``TokensPrompt``); ValueError for any other shape."""
+    keys = set(prompt)
+    if keys == {"prompt"} and isinstance(prompt["prompt"], str):
+        return prompt["prompt"]
+    if keys == {"prompt_token_ids"}:
+        return prompt_token_ids(prompt["prompt_token_ids"])
+    raise ValueError("a prompt dict must be {'prompt': text} or {'prompt_token_ids': ids}, "
+                     f"got keys {sorted(keys)}")

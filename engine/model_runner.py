@@ -21,7 +21,7 @@ from engine.model_shard import ModelShard
 from engine.parallel import TensorParallel
 from engine.parallel.followers import Followers
 from engine.parallel.sharded_kv import ShardedKVBlocks
-from engine.sampler import SamplingBatch, sample
+from engine.sampler import SamplingBatch, logprob_entries, sample
 from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from engine.spec_decode.verify import VerifyRows, verify
 from engine.structured_output.matchers import GrammarMatchers
@@ -288,16 +288,9 @@ class ModelRunner:
                               result: ModelRunnerOutput) -> None:
         """Logprobs of prompt tokens first+1 .. last, predicted by positions first.. ."""
         state = p.request
-        entries: list[dict[int, float] | None] = []
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         targets = torch.tensor(state.token_ids[p.first + 1 : p.last + 1], device=self.device)
-        chosen = logprobs.gather(1, targets[:, None]).squeeze(1).tolist()
         n = state.params.prompt_logprobs or 0
-        top_vals, top_ids = logprobs.topk(max(n, 1), dim=-1)
-        for j, (token, lp) in enumerate(zip(targets.tolist(), chosen)):
-            entry = {token: lp}
-            for tid, val in zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist()):
-                entry.setdefault(tid, val)
-            entries.append(entry)
+        entries = logprob_entries(logprobs, targets, [n] * len(targets))
         state.num_prompt_logprobs = p.last + 1
         result.prompt_logprobs.setdefault(state.request_id, []).extend(entries)

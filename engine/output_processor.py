@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.request import Request
+from engine.request import Request, RequestStatus
 from engine.tokenizer import Tokenizer
 
 
@@ -47,10 +47,10 @@ class OutputProcessor:
         for seq in sequences:
             p = seq.params
             detok = None
-            if self.tokenizer is not None:
+            if self.tokenizer is not None and p.detokenize:
                 detok = IncrementalDetokenizer(
                     self.tokenizer, seq.prompt_token_ids, p.stop,
-                    p.include_stop_str_in_output, p.skip_special_tokens,
+                    p.include_stop_str_in_output, p.skip_special_tokens, p.min_tokens,
                 )
             group.completions.append(_Completion(seq, detok))
             self.by_seq[seq.request_id] = (group, seq.index)
@@ -70,7 +70,12 @@ class OutputProcessor:
             if comp.finish_reason is not None:
                 continue
             if comp.detok is not None:
-                for token in seq.token_ids[seq.num_prompt_tokens + comp.num_decoded :]:
+                new = seq.token_ids[seq.num_prompt_tokens + comp.num_decoded :]
+                if new and _ends_on_stop_token(seq):
+                    # The EOS or stop token that ended the sequence: kept in
+                    # the token ids, not in the text (as vLLM does).
+                    new = new[:-1]
+                for token in new:
                     comp.detok.add(token)
                     comp.num_decoded += 1
                     if comp.detok.stop_reason is not None:
@@ -136,12 +141,15 @@ class OutputProcessor:
             text = comp.detok.text if comp.detok else ""
             if comp.detok is not None and not finished:
                 text = text[: comp.detok.num_emitted]
+            logprobs = cumulative = None
+            if seq.params.logprobs is not None:
+                logprobs = list(seq.logprobs[: len(token_ids)])
+                cumulative = sum(entry.get(t, 0.0) for t, entry in zip(token_ids, logprobs))
             outs.append(CompletionOutput(
                 index=seq.index, text=text, token_ids=token_ids,  # a fresh slice already
                 finish_reason=comp.finish_reason, stop_reason=comp.stop_reason,
-                logprobs=list(seq.logprobs[: len(token_ids)]) if seq.params.logprobs is not None
-                else None,
-                delta_text=delta_text, delta_token_ids=delta_ids,
+                logprobs=logprobs, delta_text=delta_text, delta_token_ids=delta_ids,
+                cumulative_logprob=cumulative,
             ))
         first = group.completions[0].request
         metrics = {"arrival_time": group.arrival_time}
@@ -161,3 +169,9 @@ class OutputProcessor:
         self.groups.pop(group.request_id, None)
         for comp in group.completions:
             self.by_seq.pop(comp.request.request_id, None)
+
+
+def _ends_on_stop_token(seq: Request) -> bool:
+    """``seq`` finished on an EOS or stop token whose text is not output."""
+    return (seq.status == RequestStatus.FINISHED_STOPPED
+            and not seq.params.include_stop_str_in_output)

@@ -7,6 +7,34 @@ from dataclasses import dataclass, field
 from engine.spec_decode.stats import SpecDecodeStats
 
 
+class Logprob(float):
+    """One token's log probability, with vLLM's ``Logprob`` attributes:
+    ``logprob``, ``rank`` (1 for the most likely token of the vocabulary)
+    and ``decoded_token`` (filled in by the offline ``LLM``; None elsewhere).
+    A float, so code that reads logprobs as plain numbers keeps working."""
+
+    rank: int | None
+    decoded_token: str | None
+
+    def __new__(cls, logprob: float, rank: int | None = None,
+                decoded_token: str | None = None) -> Logprob:
+        self = super().__new__(cls, logprob)
+        self.rank = rank
+        self.decoded_token = decoded_token
+        return self
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+    def __repr__(self) -> str:
+        return (f"Logprob(logprob={float(self)!r}, rank={self.rank!r}, "
+                f"decoded_token={self.decoded_token!r})")
+
+    def __reduce__(self):
+        return Logprob, (float(self), self.rank, self.decoded_token)
+
+
 @dataclass
 class CompletionOutput:
     """One of the ``n`` completions of a request. ``text`` and ``token_ids``
@@ -18,10 +46,12 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None  # "stop", "length", "abort"
     stop_reason: int | str | None = None  # the stop string or stop token that matched
-    # Per generated token: {token_id: logprob} of the sampled and top-N tokens.
-    logprobs: list[dict[int, float]] | None = None
+    # Per generated token: {token_id: Logprob} of the sampled and top-N tokens.
+    logprobs: list[dict[int, Logprob]] | None = None
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
+    # The sum of the output tokens' logprobs, when ``logprobs`` was asked for.
+    cumulative_logprob: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -35,7 +65,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.layers import cpu_ops
+from engine.outputs import Logprob
 from engine.request import Request
 
 
@@ -63,8 +64,8 @@ class SamplingBatch:
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
-    # Per row: {token_id: logprob} of the sampled token and the top-N, or None.
-    logprobs: list[dict[int, float] | None]
+    # Per row: {token_id: Logprob} of the sampled token and the top-N, or None.
+    logprobs: list[dict[int, Logprob] | None]
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
@@ -88,20 +89,35 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         tokens = _sample_random(logits, batch)
 
     token_list = tokens.tolist()
-    logprobs: list[dict[int, float] | None] = [None] * len(token_list)
+    logprobs: list[dict[int, Logprob] | None] = [None] * len(token_list)
     if raw_logprobs is not None:
-        top_vals, top_ids = raw_logprobs.topk(max(batch.max_logprobs, 1), dim=-1)
-        chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
-        top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
-        for row, request in enumerate(batch.requests):
-            n = request.params.logprobs
-            if n is None:
-                continue
-            entry = {token_list[row]: chosen[row]}
-            for tid, val in zip(top_ids[row][:n], top_vals[row][:n]):
-                entry.setdefault(tid, val)
-            logprobs[row] = entry
+        logprobs = logprob_entries(raw_logprobs, tokens,
+                                   [request.params.logprobs for request in batch.requests])
     return SamplerOutput(token_list, logprobs)
+
+
+def logprob_entries(logprobs: torch.Tensor, tokens: torch.Tensor,
+                    top_n: list[int | None]) -> list[dict[int, Logprob] | None]:
+    """Per row of ``logprobs`` ([rows, vocab], log-softmaxed): the logprob
+    of ``tokens[row]`` and of the row's ``top_n[row]`` most likely tokens
+    (None: no entry for the row), each with its rank in the vocabulary (as
+    vLLM counts it: the tokens at least as likely, itself included)."""
+    chosen = logprobs.gather(1, tokens[:, None])
+    ranks = (logprobs >= chosen).sum(dim=-1).tolist()
+    chosen_vals = chosen.squeeze(1).tolist()
+    most = max((n for n in top_n if n is not None), default=0)
+    top_vals, top_ids = logprobs.topk(max(most, 1), dim=-1)
+    top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+    entries: list[dict[int, Logprob] | None] = []
+    for row, (token, n) in enumerate(zip(tokens.tolist(), top_n)):
+        if n is None:
+            entries.append(None)
+            continue
+        entry = {token: Logprob(chosen_vals[row], ranks[row])}
+        for rank, (tid, val) in enumerate(zip(top_ids[row][:n], top_vals[row][:n]), 1):
+            entry.setdefault(tid, Logprob(val, rank))
+        entries.append(entry)
+    return entries
 
 
 def probabilities(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

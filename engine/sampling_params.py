@@ -17,11 +17,11 @@ class SamplingParams:
     """
 
     n: int = 1
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: up to the model's context (resolved by the engine)
     min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1  # -1: no top-k
+    top_k: int = -1  # -1 or 0: no top-k
     min_p: float = 0.0
     seed: int | None = None
     repetition_penalty: float = 1.0
@@ -34,6 +34,11 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per generated token
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # False: token ids only; the outputs' text stays empty.
+    detokenize: bool = True
+    # vLLM's setting for slow tokenizers; Tandem's (fast) tokenizers decode
+    # special tokens without spaces between them, as vLLM's fast path does.
+    spaces_between_special_tokens: bool = True
     # A grammar the output must match (JSON Schema, regex, choice...); None: free text.
     structured_outputs: StructuredOutputsParams | None = None
 
@@ -49,11 +54,13 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         _check(isinstance(self.n, int) and self.n >= 1, f"n must be at least 1, got {self.n}")
         _check(
-            isinstance(self.max_tokens, int) and self.max_tokens >= 1,
-            f"max_tokens must be at least 1, got {self.max_tokens}",
+            self.max_tokens is None or (isinstance(self.max_tokens, int)
+                                        and self.max_tokens >= 1),
+            f"max_tokens must be at least 1 (or None), got {self.max_tokens}",
         )
         _check(
-            0 <= self.min_tokens <= self.max_tokens,
+            isinstance(self.min_tokens, int)
+            and 0 <= self.min_tokens <= (self.max_tokens or self.min_tokens),
             f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}",
         )
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
@@ -64,8 +71,8 @@ class SamplingParams:
         _check(self.temperature >= 0, f"temperature must be non-negative, got {self.temperature}")
         _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
         _check(
-            isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1),
-            f"top_k must be -1 (disabled) or at least 1, got {self.top_k}",
+            isinstance(self.top_k, int) and self.top_k >= -1,
+            f"top_k must be -1 or 0 (disabled) or at least 1, got {self.top_k}",
         )
         _check(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
         _check(
@@ -81,6 +88,8 @@ class SamplingParams:
             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
         )
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty")
+        _check(self.detokenize or not self.stop,
+               "stop strings need detokenize=True: they are matched in the text")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _check(

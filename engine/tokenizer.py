@@ -46,35 +46,60 @@ class Tokenizer:
         return self._tok.id_to_token(token_id)
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+                    tools: list[dict[str, Any]] | None = None, **options: Any) -> list[int]:
         """A conversation as the model's prompt: its chat template applied,
         then encoded (the template writes the special tokens itself).
-        ``tools``: OpenAI tool definitions, given to the template as ``tools``."""
-        extra = {} if tools is None else {"tools": tools}
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **extra),
+        ``tools``: OpenAI tool definitions, given to the template as ``tools``;
+        ``options``: ``apply_chat_template``'s."""
+        if tools is not None:
+            options["tools"] = tools
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **options),
                            add_special_tokens=False)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
+        template: str | None = None, continue_final_message: bool = False, **extra: Any
     ) -> str:
-        if not self.chat_template:
+        """The conversation rendered by the model's chat template (or
+        ``template``); ``extra``: more variables for the template.
+        ``continue_final_message``: the text ends where the last message's
+        content does, so that the model goes on with it."""
+        if not (template or self.chat_template):
             raise ValueError("this model has no chat template; send a plain prompt instead")
         _check_messages(messages)
-        return self._compiled_template().render(
+        compiled = self._compiled_template() if template is None else _compile(template)
+        text = compiled.render(
             messages=messages, add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra,
         )
-
+        if continue_final_message:
+            text = _up_to_final_message(text, messages[-1]["content"])
+        return text
 
     def _compiled_template(self):
         """Compiled on first use and kept: not once per chat request."""
-        if self._template is not None:
-            return self._template
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        self._template = env.from_string(self.chat_template)
+        if self._template is None:
+            self._template = _compile(self.chat_template)
         return self._template
+
+
+def _compile(template: str):
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(template)
+
+
+def _up_to_final_message(text: str, content: str) -> str:
+    """``text`` cut after its last copy of ``content`` (the final message's),
+    its leading and, where the template kept it, trailing space included."""
+    core = content.strip()
+    at = text.rfind(core) if core else -1
+    if at < 0:
+        raise ValueError("continue_final_message: the chat template does not write the "
+                         "final message's content as it is")
+    kept = content.lstrip()
+    return text[: at + len(kept)] if text.startswith(kept, at) else text[: at + len(core)]
 
 
 def _check_messages(messages: Any) -> None:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import inspect
 import itertools
-from collections.abc import Sequence
+import random
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+import torch
 
 from engine.config import (
     CacheConfig,
@@ -18,7 +22,11 @@ from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
-Prompt = str | Sequence[int]
+# Text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids}.
+Prompt = str | Sequence[int] | Mapping[str, Any]
+
+# vLLM's other names for dtypes.
+_DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 
 
 def engine_config(
@@ -31,7 +39,7 @@ def engine_config(
     max_num_seqs: int = default_of(SchedulerConfig, "max_num_seqs"),
     max_num_batched_tokens: int = default_of(SchedulerConfig, "max_num_batched_tokens"),
     enable_prefix_caching: bool = default_of(CacheConfig, "enable_prefix_caching"),
-    seed: int = default_of(EngineConfig, "seed"),
+    seed: int | None = default_of(EngineConfig, "seed"),
     kv_cache_bytes: int = default_of(CacheConfig, "kv_cache_bytes"),
     gpu_memory_utilization: float = default_of(CacheConfig, "gpu_memory_utilization"),
     num_blocks: int | None = default_of(CacheConfig, "num_blocks"),
@@ -56,7 +64,13 @@ def engine_config(
     speculative_config: SpeculativeConfig | dict[str, Any] | None = None,
 ) -> EngineConfig:
     """Build an EngineConfig from vLLM-style keyword arguments (defaults: the
-    config dataclasses')."""
+    config dataclasses'). ``dtype`` may be a ``torch.dtype`` or vLLM's
+    ``half`` / ``float``; ``seed=None`` picks one at random."""
+    if isinstance(dtype, torch.dtype):
+        dtype = str(dtype).removeprefix("torch.")
+    dtype = _DTYPE_ALIASES.get(dtype, dtype)
+    if seed is None:
+        seed = random.SystemRandom().randrange(2**31)
     return engine_config_from_flat(
         model, dtype=dtype, device=device, seed=seed, attention_backend=attention_backend,
         load_format=load_format, enforce_eager=enforce_eager,
@@ -81,7 +95,24 @@ class LLM:
     by default the bundled SmolLM2-135M-Instruct.
     """
 
-    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+    def __init__(self, model: str | None = None, *, max_logprobs: int = 20,
+                 tokenizer: str | None = None, trust_remote_code: bool = False,
+                 disable_log_stats: bool = True, **kwargs: Any) -> None:
+        """``kwargs``: ``engine_config``'s. ``max_logprobs``: the most
+        ``logprobs`` / ``prompt_logprobs`` a request may ask for (at most 20).
+        vLLM's ``trust_remote_code`` and ``disable_log_stats`` change nothing
+        here (Tandem runs no code from a checkpoint and logs no stats), and
+        ``tokenizer`` may only name the model: its directory holds the
+        tokenizer."""
+        if tokenizer is not None and tokenizer != model:
+            raise ValueError("a tokenizer apart from the model is not supported: the model's "
+                             "directory must hold its tokenizer.json")
+        unknown = sorted(set(kwargs) - set(inspect.signature(engine_config).parameters))
+        if unknown:
+            raise TypeError(f"LLM() got unexpected keyword arguments: {', '.join(unknown)}")
+        if not isinstance(max_logprobs, int) or not 0 <= max_logprobs <= 20:
+            raise ValueError(f"max_logprobs must be in [0, 20], got {max_logprobs!r}")
+        self.max_logprobs = max_logprobs
         self.engine = LLMEngine(engine_config(model, **kwargs))
         self._ids = itertools.count()
 
@@ -99,16 +130,24 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """One finished output per prompt, in input order. Every prompt is
-        validated before any is queued."""
-        if isinstance(prompts, str) or (
+        validated before any is queued. ``lora_request`` and ``priority``
+        are vLLM's; Tandem has neither adapters nor priorities, so they must
+        be None (or all priorities equal)."""
+        if lora_request is not None:
+            raise ValueError("LoRA adapters are not supported")
+        if isinstance(prompts, str | Mapping) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
         if not prompts:
-            raise ValueError("prompts must not be empty")
+            return []
+        if priority is not None and len(set(priority)) > 1:
+            raise ValueError("request priorities are not supported")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
         else:
@@ -119,11 +158,17 @@ class LLM:
                 )
         engine = self.engine
         for prompt, p in zip(prompts, params):
+            for name in ("logprobs", "prompt_logprobs"):
+                if (getattr(p, name) or 0) > self.max_logprobs:
+                    raise ValueError(f"{name} must be at most max_logprobs={self.max_logprobs}, "
+                                     f"got {getattr(p, name)}")
             engine.validate(engine.tokenize(prompt)[1], p)
         ids = [f"llm-{next(self._ids)}" for _ in prompts]
         for request_id, prompt, p in zip(ids, prompts, params):
             engine.add_request(request_id, prompt, p)
-        return self._run(ids, use_tqdm)
+        outputs = self._run(ids, use_tqdm)
+        self._decode_logprobs(outputs)
+        return outputs
 
     def chat(
         self,
@@ -131,15 +176,42 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        *,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them."""
+        """Apply the model's chat template (or ``chat_template``) to one
+        conversation or a list of them, as vLLM's ``LLM.chat``: a message's
+        content may be a list of text parts; ``tools`` and
+        ``chat_template_kwargs`` go to the template; ``continue_final_message``
+        leaves the last message open for the model to go on with."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError("this model has no tokenizer")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message goes on with the last message: it needs "
+                             "add_generation_prompt=False")
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
-        prompts = [tokenizer.encode_chat(c, add_generation_prompt)
-                   for c in conversations]  # type: ignore[arg-type]
+        prompts = [tokenizer.encode_chat(
+            [_text_message(i, m) for i, m in enumerate(c)], add_generation_prompt, tools,
+            template=chat_template, continue_final_message=continue_final_message,
+            **(chat_template_kwargs or {}))
+            for c in conversations]  # type: ignore[arg-type]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _decode_logprobs(self, outputs: list[RequestOutput]) -> None:
+        """Each Logprob's ``decoded_token``: its token's text, as vLLM gives it."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            return
+        entries = [e for out in outputs for e in (out.prompt_logprobs or []) if e]
+        entries += [e for out in outputs for c in out.outputs for e in (c.logprobs or [])]
+        for entry in entries:
+            for token_id, logprob in entry.items():
+                if getattr(logprob, "decoded_token", "") is None:
+                    logprob.decoded_token = tokenizer.decode([token_id], False)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
@@ -162,3 +234,16 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [done[i] for i in ids]
+
+
+def _text_message(index: int, message: Any) -> Any:
+    """``message`` with a content of OpenAI text parts joined into a string."""
+    if not isinstance(message, Mapping) or not isinstance(message.get("content"), list):
+        return message
+    texts = []
+    for part in message["content"]:
+        if not isinstance(part, Mapping) or part.get("type") != "text" \
+                or not isinstance(part.get("text"), str):
+            raise ValueError(f"messages[{index}].content: only text parts are supported")
+        texts.append(part["text"])
+    return {**message, "content": "".join(texts)}

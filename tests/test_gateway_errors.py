@@ -53,7 +53,7 @@ COMPLETION_CASES = {
     "n": ({"n": 0}, "n"),
     "max_tokens_0": ({"max_tokens": 0}, "max_tokens"),
     "max_tokens_negative": ({"max_tokens": -3}, "max_tokens"),
-    "top_k": ({"top_k": 0}, "top_k"),
+    "top_k": ({"top_k": -2}, "top_k"),
     "presence_penalty": ({"presence_penalty": 3}, "presence_penalty"),
     "logprobs": ({"logprobs": 50}, "logprobs"),
     "temperature_type": ({"temperature": "hot"}, "temperature"),

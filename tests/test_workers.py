@@ -545,7 +545,7 @@ async def test_bad_params_are_invalid_argument(workers, gw):
         assert err.code() == StatusCode.INVALID_ARGUMENT, err.details()
         assert words in err.details(), (words, err.details())
     ticket = await gw.reserve(decode, "bad-8", prompt, good)
-    for p, transport, words in [(_with(good, top_k=0), "grpc", "top_k"),
+    for p, transport, words in [(_with(good, top_k=-2), "grpc", "top_k"),
                                 (good, "carrier-pigeon", "unknown transport")]:
         err = await rpc_error(gw.prefill(prefill, "bad-8", prompt, p, ticket, transport))
         assert err.code() == StatusCode.INVALID_ARGUMENT and words in err.details()

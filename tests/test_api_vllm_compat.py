@@ -1,0 +1,177 @@
+"""Code written for vLLM's offline ``LLM`` runs on ``tandem.LLM`` with the
+same meaning: prompt dicts, stop tokens kept out of the text, ``min_tokens``
+against stop strings, ``Logprob`` objects, ``max_tokens=None``,
+``detokenize=False``, vLLM's constructor and chat arguments."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+from engine_fixtures import assert_all_free, tiny_with_tokenizer
+
+from tandem import LLM, SamplingParams
+from tandem.llm import engine_config
+
+PROMPT = "the quick brown fox"
+
+
+def greedy(**kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0, ignore_eos=True, **{"max_tokens": 8, **kwargs})
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return tiny_with_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    return LLM(str(model_dir), dtype="float32", block_size=4, num_blocks=128, max_model_len=256)
+
+
+def one(llm, prompt, params):
+    (out,) = llm.generate(prompt, params, use_tqdm=False)
+    return out
+
+
+def test_prompt_dicts(llm):
+    tok = llm.get_tokenizer()
+    ids = tok.encode(PROMPT)
+    want = one(llm, PROMPT, greedy()).outputs[0].token_ids
+    by_ids = one(llm, {"prompt_token_ids": ids}, greedy())
+    assert by_ids.prompt is None and by_ids.prompt_token_ids == ids
+    assert by_ids.outputs[0].token_ids == want
+    (by_text,) = llm.generate([{"prompt": PROMPT}], greedy(), use_tqdm=False)
+    assert by_text.prompt == PROMPT and by_text.outputs[0].token_ids == want
+    for bad in ({"prompt": PROMPT, "multi_modal_data": {}}, {"text": PROMPT},
+                {"prompt_token_ids": "abc"}):
+        with pytest.raises(ValueError, match="prompt"):
+            llm.generate(bad, greedy(), use_tqdm=False)
+    assert llm.generate([], greedy(), use_tqdm=False) == []
+    assert_all_free(llm.engine)
+
+
+def test_a_stop_token_ends_the_ids_but_not_the_text(llm):
+    tok = llm.get_tokenizer()
+    free = one(llm, PROMPT, greedy()).outputs[0].token_ids
+    # The first generated token whose text is not empty, as the stop token.
+    at = next(i for i, t in enumerate(free) if tok.decode([t]) and free.index(t) == i)
+    stop = free[at]
+    out = one(llm, PROMPT, greedy(stop_token_ids=[stop])).outputs[0]
+    assert out.token_ids == free[: at + 1] and out.finish_reason == "stop"
+    assert out.stop_reason == stop
+    assert out.text == tok.decode(free[:at]) != tok.decode(free[: at + 1])
+    kept = one(llm, PROMPT, greedy(stop_token_ids=[stop], include_stop_str_in_output=True))
+    assert kept.outputs[0].text == tok.decode(free[: at + 1])
+
+
+def test_stop_strings_wait_for_min_tokens(llm):
+    free = one(llm, PROMPT, greedy()).outputs[0]
+    stop = free.text.strip()[:1]
+    assert stop
+    early = one(llm, PROMPT, greedy(stop=[stop])).outputs[0]
+    assert early.finish_reason == "stop" and len(early.token_ids) < 8
+    late = one(llm, PROMPT, greedy(stop=[stop], min_tokens=8)).outputs[0]
+    assert late.finish_reason == "length" and late.token_ids == free.token_ids
+    assert late.text == free.text
+
+
+def test_logprobs_are_vllm_logprob_objects(llm):
+    tok = llm.get_tokenizer()
+    out = one(llm, PROMPT, greedy(logprobs=2, prompt_logprobs=1))
+    comp = out.outputs[0]
+    assert len(comp.logprobs) == len(comp.token_ids) == 8
+    total = 0.0
+    for token, entry in zip(comp.token_ids, comp.logprobs):
+        chosen = entry[token]
+        assert chosen.rank == 1  # greedy, no penalties: the most likely token
+        assert isinstance(chosen.logprob, float) and chosen.logprob == float(chosen) <= 0
+        top = sorted(entry.values(), key=lambda lp: lp.rank)
+        assert [lp.rank for lp in top][:2] == [1, 2] and top[0].logprob >= top[1].logprob
+        for tid, lp in entry.items():
+            assert lp.decoded_token == tok.decode([tid], False)
+        total += chosen.logprob
+    assert comp.cumulative_logprob == pytest.approx(total)
+    assert pickle.loads(pickle.dumps(comp.logprobs[0])) == comp.logprobs[0]
+    back = pickle.loads(pickle.dumps(comp.logprobs[0][comp.token_ids[0]]))
+    assert (back.rank, back.decoded_token) == (1, comp.logprobs[0][comp.token_ids[0]].decoded_token)
+    assert out.prompt_logprobs[0] is None
+    for token, entry in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]):
+        # Its rank counts the tokens at least as likely: 1 exactly when it is the best.
+        best = max(entry.values())
+        assert entry[token].rank >= 1 and (entry[token].rank == 1) == (entry[token] == best)
+    assert one(llm, PROMPT, greedy()).outputs[0].cumulative_logprob is None
+
+
+def test_max_tokens_none_runs_to_the_end_of_the_context(llm):
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
+    out = one(llm, prompt, greedy(max_tokens=None)).outputs[0]
+    assert len(out.token_ids) == 256 - len(prompt) and out.finish_reason == "length"
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([5] * 256, greedy(max_tokens=None), use_tqdm=False)
+    assert_all_free(llm.engine)
+
+
+def test_detokenize_false_gives_ids_only(llm):
+    want = one(llm, PROMPT, greedy()).outputs[0].token_ids
+    out = one(llm, PROMPT, greedy(detokenize=False)).outputs[0]
+    assert out.token_ids == want and out.text == ""
+    with pytest.raises(ValueError, match="detokenize"):
+        greedy(detokenize=False, stop=["x"])
+
+
+def test_top_k_zero_means_no_top_k(llm):
+    seeded = dict(temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
+    a = one(llm, PROMPT, SamplingParams(top_k=0, **seeded)).outputs[0].token_ids
+    b = one(llm, PROMPT, SamplingParams(top_k=-1, **seeded)).outputs[0].token_ids
+    assert a == b
+
+
+def test_vllm_constructor_and_generate_arguments(model_dir, llm):
+    small = LLM(str(model_dir), dtype=torch.float32, seed=None, trust_remote_code=True,
+                disable_log_stats=True, tokenizer=str(model_dir), max_logprobs=1,
+                block_size=4, num_blocks=64)
+    assert small.engine.config.dtype == "float32"
+    with pytest.raises(ValueError, match="max_logprobs"):
+        small.generate(PROMPT, greedy(logprobs=2), use_tqdm=False)
+    assert engine_config(dtype="half").dtype == "float16"
+    assert engine_config(dtype="float").dtype == "float32"
+    with pytest.raises(TypeError, match="LLM"):
+        LLM(str(model_dir), no_such_argument=1)
+    with pytest.raises(ValueError, match="tokenizer"):
+        LLM(str(model_dir), tokenizer="some/other/tokenizer")
+    assert one(llm, PROMPT, greedy()).outputs[0].token_ids == llm.generate(
+        PROMPT, greedy(), use_tqdm=False, lora_request=None, priority=[0])[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="LoRA"):
+        llm.generate(PROMPT, greedy(), lora_request=object())
+    with pytest.raises(ValueError, match="priorit"):
+        llm.generate([PROMPT, PROMPT], greedy(), priority=[0, 1])
+
+
+def test_chat_arguments(llm):
+    tok = llm.get_tokenizer()
+    plain = [{"role": "user", "content": "hello there"}]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hello "},
+                                          {"type": "text", "text": "there"}]}]
+    (a,) = llm.chat(plain, greedy(), use_tqdm=False)
+    (b,) = llm.chat(parts, greedy(), use_tqdm=False)
+    assert a.prompt_token_ids == b.prompt_token_ids
+    with pytest.raises(ValueError, match="text parts"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+                 greedy(), use_tqdm=False)
+
+    started = plain + [{"role": "assistant", "content": "general kenobi"}]
+    (c,) = llm.chat(started, greedy(), use_tqdm=False, add_generation_prompt=False,
+                    continue_final_message=True)
+    assert tok.decode(c.prompt_token_ids, False).endswith("assistant: general kenobi")
+    (closed,) = llm.chat(started, greedy(), use_tqdm=False, add_generation_prompt=False)
+    assert len(closed.prompt_token_ids) > len(c.prompt_token_ids)
+    with pytest.raises(ValueError, match="add_generation_prompt"):
+        llm.chat(started, greedy(), use_tqdm=False, continue_final_message=True)
+
+    template = "{% for m in messages %}{{ greeting }} {{ m.content }}|{% endfor %}"
+    (d,) = llm.chat(plain, greedy(), use_tqdm=False, chat_template=template,
+                    chat_template_kwargs={"greeting": "well"})
+    assert d.prompt_token_ids == tok.encode("well hello there|", add_special_tokens=False)

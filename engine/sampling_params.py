@@ -66,7 +66,9 @@ class SamplingParams:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty"):
             value = getattr(self, name)
-            _check(isinstance(value, int | float) and math.isfinite(value),
+            # NOTE: float32's range: the workers' wire format (common.proto) carries float32.
+            _check(isinstance(value, int | float) and math.isfinite(value)
+                   and abs(value) <= _FLOAT32_MAX,
                    f"{name} must be a finite number, got {value!r}")
         _check(self.temperature >= 0, f"temperature must be non-negative, got {self.temperature}")
         _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
@@ -99,6 +101,16 @@ class SamplingParams:
         _check(
             self.seed is None or isinstance(self.seed, int), f"seed must be an int, got {self.seed!r}"
         )
+        # The integers' ranges: the workers' wire format (common.proto) carries them
+        # (n's is max_n, which check_request holds it to).
+        for name, low, high in (("max_tokens", 1, _UINT32_MAX),
+                                ("min_tokens", 0, _UINT32_MAX), ("top_k", -1, _INT32_MAX),
+                                ("seed", -_INT64_MAX - 1, _INT64_MAX)):
+            value = getattr(self, name)
+            _check(value is None or low <= value <= high,
+                   f"{name} must be in [{low}, {high}], got {value}")
+        _check(all(isinstance(t, int) and 0 <= t <= _UINT32_MAX for t in self.stop_token_ids),
+               f"stop_token_ids must be token ids (integers >= 0), got {self.stop_token_ids}")
 
     @property
     def greedy(self) -> bool:
@@ -111,6 +123,10 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+
+_FLOAT32_MAX = 3.4028234663852886e38
+_INT32_MAX, _UINT32_MAX, _INT64_MAX = 2**31 - 1, 2**32 - 1, 2**63 - 1
 
 
 def _check(ok: bool, message: str) -> None:

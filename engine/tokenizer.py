@@ -45,6 +45,22 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
+    # ---- a few of Hugging Face's tokenizer calls, for code written against them ----
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def __call__(self, text: str | list[str], add_special_tokens: bool = True) -> dict:
+        """``{"input_ids": ..., "attention_mask": ...}`` of a text or a list of them."""
+        if isinstance(text, str):
+            ids = self.encode(text, add_special_tokens)
+            return {"input_ids": ids, "attention_mask": [1] * len(ids)}
+        batch = [self(t, add_special_tokens) for t in text]
+        return {key: [b[key] for b in batch] for key in ("input_ids", "attention_mask")}
+
+    def convert_ids_to_tokens(self, ids: int | list[int]) -> str | None | list[str | None]:
+        return self.id_to_token(ids) if isinstance(ids, int) else [self.id_to_token(i) for i in ids]
+
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     tools: list[dict[str, Any]] | None = None, **options: Any) -> list[int]:
         """A conversation as the model's prompt: its chat template applied,
@@ -58,12 +74,14 @@ class Tokenizer:
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
-        template: str | None = None, continue_final_message: bool = False, **extra: Any
-    ) -> str:
+        template: str | None = None, continue_final_message: bool = False,
+        tokenize: bool = False, **extra: Any
+    ) -> str | list[int]:
         """The conversation rendered by the model's chat template (or
         ``template``); ``extra``: more variables for the template.
         ``continue_final_message``: the text ends where the last message's
-        content does, so that the model goes on with it."""
+        content does, so that the model goes on with it. ``tokenize``: its
+        token ids instead (NOTE: text by default, unlike Hugging Face's)."""
         if not (template or self.chat_template):
             raise ValueError("this model has no chat template; send a plain prompt instead")
         _check_messages(messages)
@@ -74,7 +92,7 @@ class Tokenizer:
         )
         if continue_final_message:
             text = _up_to_final_message(text, messages[-1]["content"])
-        return text
+        return self.encode(text, add_special_tokens=False) if tokenize else text
 
     def _compiled_template(self):
         """Compiled on first use and kept: not once per chat request."""

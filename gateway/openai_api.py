@@ -20,6 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.fan_in import FanIn
 from gateway.openai_render import ChatRenderer, CompletionRenderer
@@ -92,6 +93,13 @@ def build_app(service: GatewayService) -> FastAPI:
     for cls in (ValueError, TandemError):
         app.add_exception_handler(cls, _known)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        # The router's own answers (no such path, a method the path does not
+        # take, a body that will not parse) as OpenAI error objects too.
+        return JSONResponse(error_body(str(exc.detail), "invalid_request_error"),
+                            exc.status_code, headers=exc.headers)
+
     @app.exception_handler(ClientGone)
     async def _gone(request: Request, exc: ClientGone):  # nobody reads it: nginx's 499
         return Response(status_code=499)
@@ -162,10 +170,12 @@ def build_app(service: GatewayService) -> FastAPI:
         service.check_model(body.model)
         if body.logit_bias:
             raise ValueError("logit_bias is not supported")
+        if not body.messages:
+            raise InvalidField("messages", "messages must be a non-empty list")
         if len(body.messages) > service.config.max_messages:
             raise ValueError(f"at most {service.config.max_messages} messages are allowed, "
                              f"got {len(body.messages)}")
-        constraint, tool_parser, messages, tools = _chat_tools(service, body)
+        constraint, tool_parser, names, messages, tools = _chat_tools(service, body)
         with _child(span, "gateway.tokenize"):
             tokens = await service.off_loop(service.tokenize_chat, messages,
                                             body.add_generation_prompt, tools)
@@ -180,15 +190,16 @@ def build_app(service: GatewayService) -> FastAPI:
         params = body.sampling(max_tokens, top, structured_outputs=constraint)
         service.check_request(tokens, params)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        render = ChatRenderer(service, rid, params.n, top or 0, tool_parser)
+        render = ChatRenderer(service, rid, params.n, top or 0, tool_parser, names)
         return await _answer(render, _merge(service, rid, [tokens], [params], span), body)
 
     return app
 
 
 def _chat_tools(service: GatewayService, body: ChatCompletionRequest):
-    """(output constraint, tool-call parser or None, messages and tools for
-    the chat template) of a chat request; InvalidField before any compute."""
+    """(output constraint, tool-call parser or None, the functions it may
+    call, messages and tools for the chat template) of a chat request;
+    InvalidField before any compute."""
     tools = parse_tools(body.tools)
     choice = parse_tool_choice(body.tool_choice, tools)
     constraint = constraint_of(body)
@@ -203,7 +214,7 @@ def _chat_tools(service: GatewayService, body: ChatCompletionRequest):
     messages, shown = chat_messages(body.messages, tools, choice, template, parser)
     found = {"none": None, "auto": parser, "required": Required()}.get(choice.mode) \
         if choice.mode != "named" else Named(choice.name or "")
-    return constraint, found, messages, shown
+    return constraint, found, frozenset(t.name for t in tools), messages, shown
 
 
 # What a caller needs a key for (when keys are set): the API, the metrics,

@@ -115,11 +115,13 @@ class CompletionRenderer(Renderer):
 
 
 class ChatRenderer(Renderer):
-    def __init__(self, service, rid, n: int, top_n: int, tool_parser=None) -> None:
+    def __init__(self, service, rid, n: int, top_n: int, tool_parser=None,
+                 tool_names: frozenset[str] | None = None) -> None:
         super().__init__(service, rid, n)
         self.top_n = top_n
         # Finds tool calls in each choice's text (gateway/tool_parsers.py); None: no tools.
         self.tool_parser = tool_parser
+        self.tool_names = tool_names  # the functions a call may name (None: any)
 
     def _logprobs(self, chunk: Chunk) -> dict | None:
         if not chunk.logprobs:
@@ -147,13 +149,13 @@ class ChatRenderer(Renderer):
                 delta["role"] = "assistant"
             text, reason = chunk.text, chunk.finish_reason
             if self.tool_parser is not None:
-                calls, texts = tools.setdefault(chunk.index,
-                                                (ToolCallStream(self.tool_parser), []))
+                calls, texts = tools.setdefault(chunk.index, (
+                    ToolCallStream(self.tool_parser, self.tool_names), []))
                 texts.append(chunk.text)
                 text, entries = calls.feed("".join(texts), final=bool(reason))
                 if entries:
                     delta["tool_calls"] = entries
-                if reason == "stop" and calls.called:
+                if reason == "stop" and calls.called and calls.complete:
                     reason = "tool_calls"
             if text or not delta:
                 delta["content"] = text
@@ -177,7 +179,8 @@ class ChatRenderer(Renderer):
         if self.tool_parser is not None:
             for c in choices.values():
                 message = c["message"]
-                message["content"], calls = finished_calls(self.tool_parser, message["content"])
+                message["content"], calls = finished_calls(self.tool_parser, message["content"],
+                                                           self.tool_names)
                 if calls:
                     message["tool_calls"] = calls
                     if c["finish_reason"] == "stop":

@@ -15,13 +15,16 @@ _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:argument
 def scan_call(text: str, pos: int) -> tuple[str, str, bool, int | None] | None:
     """The call object starting at ``pos`` (after whitespace): (name, its
     arguments text so far, whether they are complete, the index after the
-    object or None while it is open). None while even the name is unread."""
+    object or None while it is open). None until the arguments have begun,
+    and for arguments that are not an object."""
     m = _HEAD.match(text, pos)
     if m is None:
         return None
     try:
         name = json.loads(f'"{m.group(1)}"')
     except ValueError:
+        return None
+    if text[m.end():m.end() + 1] != "{":
         return None
     end = value_end(text, m.end())
     if end is None:

@@ -44,7 +44,7 @@ class Hermes:
             return Seen(without_partial_tag(text, self.OPEN))
         out = Seen(text[:at], is_calls=True)
         while at >= 0:
-            call = scan_call(text, at + len(self.OPEN))
+            call = scan_call(text, at + len(self.OPEN)) or self._whole_call(text, at)
             if call is None:
                 break
             out.calls.append(call[:3])
@@ -52,6 +52,21 @@ class Hermes:
                 break
             at = text.find(self.OPEN, call[3])
         return out
+
+    def _whole_call(self, text: str, at: int) -> tuple[str, str, bool, int] | None:
+        """A closed call that ``scan_call`` cannot read as it streams (its
+        keys in another order): read whole once its closing tag is in."""
+        close = text.find(self.CLOSE, at)
+        if close < 0:
+            return None
+        try:
+            call = json.loads(text[at + len(self.OPEN):close])
+        except ValueError:
+            return None
+        if not (isinstance(call, dict) and set(call) == {"name", "arguments"}
+                and isinstance(call["name"], str) and isinstance(call["arguments"], dict)):
+            return None
+        return call["name"], json.dumps(call["arguments"]), True, close
 
     @staticmethod
     def render_call(name: str, arguments: dict | str) -> str:
@@ -148,24 +163,32 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def finished_calls(parser, text: str) -> tuple[str | None, list[dict]]:
-    """(content, tool_calls in OpenAI's shape) of a finished text. Calls whose
-    arguments do not parse are not calls: the text stays content then."""
+def finished_calls(parser, text: str, names: frozenset[str] | None = None,
+                   ) -> tuple[str | None, list[dict]]:
+    """(content, tool_calls in OpenAI's shape) of a finished text. Calls
+    whose arguments do not parse, or that name a function not in ``names``
+    (None: any), are not calls: the text stays content then, all of it."""
     seen = parser.seen(text)
-    calls = []
-    for name, args, complete in seen.calls:
+    if not seen.is_calls:
+        return text, []
+    if not all_valid(seen.calls, names):
+        return (None if isinstance(parser, Named | Required) else text), []
+    calls = [{"id": new_call_id(), "type": "function",
+              "function": {"name": name, "arguments": args}} for name, args, _ in seen.calls]
+    return seen.content.strip() or None, calls
+
+
+def all_valid(calls: list[tuple[str, str, bool]], names: frozenset[str] | None) -> bool:
+    """There are calls, and each is complete, of a known function, with
+    arguments that parse."""
+    for name, args, complete in calls:
+        if not complete or (names is not None and name not in names):
+            return False
         try:
             json.loads(args)
         except ValueError:
-            complete = False
-        if not complete:
-            return (None if isinstance(parser, Named | Required) else text), []
-        calls.append({"id": new_call_id(), "type": "function",
-                      "function": {"name": name, "arguments": args}})
-    if not seen.is_calls:
-        return text, []
-    content = seen.content.strip() or None
-    return content, calls
+            return False
+    return bool(calls)
 
 
 class ToolCallStream:
@@ -173,11 +196,15 @@ class ToolCallStream:
     content that grew and ``tool_calls`` delta entries (a call's id, type and
     name once, then its arguments piece by piece)."""
 
-    def __init__(self, parser) -> None:
+    def __init__(self, parser, names: frozenset[str] | None = None) -> None:
+        """``names``: the request's functions (None: any); a call of another
+        is not streamed, and the text goes out as content at the end."""
         self.parser = parser
+        self.names = names
         self.content_sent = 0
         self.args_sent: list[int] = []
         self.ids: list[str] = []
+        self.complete = False  # at the end: every streamed call is whole and valid
 
     @property
     def called(self) -> bool:
@@ -185,11 +212,19 @@ class ToolCallStream:
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[dict]]:
         seen = self.parser.seen(text)
-        content = seen.content if not (final and not seen.is_calls) else text
+        calls = seen.calls
+        if self.names is not None:
+            known = [c[0] in self.names for c in calls]
+            calls = calls[:known.index(False)] if False in known else calls
+        content = seen.content
+        if final:
+            self.complete = all_valid(seen.calls, self.names)
+            if not seen.is_calls or (not self.called and not self.complete):
+                content = text  # no calls after all: everything is content
         delta = content[self.content_sent:]
         self.content_sent = max(self.content_sent, len(content))
         entries = []
-        for i, (name, args, complete) in enumerate(seen.calls):
+        for i, (name, args, complete) in enumerate(calls):
             if complete:
                 args = args.rstrip()
             if i == len(self.ids):

@@ -131,7 +131,7 @@ def chat_messages(messages: list[Any], tools: list[Tool], choice: ToolChoice,
             msg.update(role="user", content=parser_format.render_result(msg["content"]))
     if shown:
         system = parser_format.system_prompt(shown)
-        if out[0]["role"] == "system":
+        if out and out[0]["role"] == "system":
             out[0]["content"] += "\n\n" + system
         else:
             out.insert(0, {"role": "system", "content": system})

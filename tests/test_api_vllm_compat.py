@@ -175,3 +175,17 @@ def test_chat_arguments(llm):
     (d,) = llm.chat(plain, greedy(), use_tqdm=False, chat_template=template,
                     chat_template_kwargs={"greeting": "well"})
     assert d.prompt_token_ids == tok.encode("well hello there|", add_special_tokens=False)
+
+
+def test_the_tokenizer_answers_hugging_faces_common_calls(llm):
+    tok = llm.get_tokenizer()
+    ids = tok.encode(PROMPT)
+    assert tok(PROMPT) == {"input_ids": ids, "attention_mask": [1] * len(ids)}
+    assert tok([PROMPT, "a"])["input_ids"] == [ids, tok.encode("a")]
+    assert len(tok) == tok.vocab_size
+    assert tok.convert_ids_to_tokens(ids) == [tok.id_to_token(i) for i in ids]
+    messages = [{"role": "user", "content": "hello"}]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == "<s>user: hello\n<s>assistant:"  # `tokenize` is not a template variable
+    assert tok.apply_chat_template(messages, tokenize=True) == tok.encode(
+        text, add_special_tokens=False)

@@ -72,6 +72,15 @@ COMPLETION_CASES = {
     "too_many_stops": ({"stop": [f"s{i}" for i in range(17)]}, "stop"),
     "long_stop": ({"stop": ["x" * 1025]}, "stop string"),
     "too_many_prompts": ({"prompt": ["hi"] * 65}, "at most 64 prompts"),
+    # Booleans are not integers, and integers must fit the workers' wire format.
+    "boolean_n": ({"n": True}, "n"),
+    "boolean_token": ({"prompt": [True]}, "prompt"),
+    "best_of_0": ({"best_of": 0}, "best_of"),
+    "huge_seed": ({"seed": 2**63}, "seed"),
+    "huge_top_k": ({"top_k": 10**20}, "top_k"),
+    "negative_stop_token": ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    "huge_stop_token": ({"stop_token_ids": [10**12]}, "stop_token_ids"),
+    "float32_overflow": ({"temperature": 1e300}, "temperature"),
 }
 
 
@@ -106,6 +115,8 @@ CHAT_CASES = {
     "max_completion_tokens": {"max_completion_tokens": 0},
     "top_logprobs": {"logprobs": True, "top_logprobs": 30},
     "no_messages": {"messages": []},
+    "no_messages_with_tools": {"messages": [], "tools": [
+        {"type": "function", "function": {"name": "f"}}]},
     "messages_type": {"messages": "hello"},
     "bad_role": {"messages": [{"role": "wizard", "content": "hi"}]},
     "image_part": {"messages": [{"role": "user", "content": [
@@ -206,8 +217,13 @@ def test_unknown_model_is_404(http, gateway):
         client.completions.create(model="gpt-17", prompt=PROMPT, max_tokens=2)
 
 
-def test_unknown_route_is_404(http):
-    assert http.get("/v1/nothing-here").status_code == 404
+def test_the_routers_own_errors_are_openai_errors(http):
+    error = assert_error(http.get("/v1/nothing-here"), 404)
+    assert error["type"] == "invalid_request_error"
+    response = http.get("/v1/completions")
+    assert_error(response, 405)
+    assert "POST" in response.headers["allow"]
+    assert_error(http.put("/v1/chat/completions", json={}), 405)
 
 
 # ---- 401 ---------------------------------------------------------------------------------

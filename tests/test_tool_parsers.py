@@ -80,6 +80,50 @@ def test_streamed_deltas_add_up_to_the_finished_answer(parser, text):
         assert max(len(a) for a in args.values()) > 3  # pieces, not one whole string
 
 
+def _streamed(stream, text):
+    content, entries = [], []
+    for end in range(1, len(text) + 1):
+        delta, new = stream.feed(text[:end], final=end == len(text))
+        content.append(delta)
+        entries += new
+    return "".join(content), entries
+
+
+WEATHER = frozenset({"get_weather"})
+
+
+@pytest.mark.parametrize("text", [
+    "I use <tool_call> tags like this.",
+    "Sure. <tool_call>not json at all</tool_call> and more text",
+    'Sure. <tool_call>{"name": "get_weather", "arguments": "{\\"city\\": 1}"}</tool_call>',
+    'Sure. <tool_call>{"name": "nope", "arguments": {"city": "Paris"}}</tool_call>',
+])
+def test_what_is_not_a_call_stays_content(text):
+    assert finished_calls(Hermes(), text, WEATHER) == (text, [])
+    stream = ToolCallStream(Hermes(), WEATHER)
+    assert _streamed(stream, text) == (text, [])
+    assert not stream.called and not stream.complete
+
+
+def test_a_call_with_its_keys_the_other_way_round():
+    text = 'Sure. <tool_call>{"arguments": {"city": "Paris"}, "name": "get_weather"}</tool_call>'
+    content, calls = finished_calls(Hermes(), text, WEATHER)
+    assert content == "Sure." and [c["function"]["name"] for c in calls] == ["get_weather"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
+    stream = ToolCallStream(Hermes(), WEATHER)
+    streamed, entries = _streamed(stream, text)
+    assert streamed.strip() == "Sure." and stream.complete
+    assert json.loads("".join(e["function"]["arguments"] for e in entries)) == {"city": "Paris"}
+
+
+def test_a_cut_off_call_is_not_complete():
+    text = 'Sure. <tool_call>{"name": "get_weather", "arguments": {"city": "Par'
+    stream = ToolCallStream(Hermes(), WEATHER)
+    _, entries = _streamed(stream, text)
+    assert stream.called and not stream.complete  # the renderer keeps finish_reason then
+    assert finished_calls(Hermes(), text, WEATHER) == (text, [])
+
+
 def test_template_without_tools_gets_them_as_text():
     tools = parse_tools([{"type": "function", "function": {"name": "get_time"}}])
     messages = [ChatMessage(role="user", content="time?"),

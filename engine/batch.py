@@ -72,6 +72,7 @@ class CachedRequestState(TokenCounts):
     num_blocks: int
     num_prompt_logprobs: int  # prompt positions with a logprob entry (the first is None)
     generator: Any = None  # torch.Generator of a seeded request, made when first sampled
+    bad_word_ids: list[list[int]] = field(default_factory=list)  # params.bad_words, tokenized
 
 
 @dataclass
@@ -128,6 +129,7 @@ class InputBatch:
         self.requests[new.request_id] = CachedRequestState(
             new.request_id, new.token_ids, new.num_prompt_tokens, new.params,
             new.eos_token_ids, new.index, row, len(new.block_ids), new.num_prompt_logprobs,
+            bad_word_ids=new.bad_word_ids,
         )
 
     def prepare(self, out: SchedulerOutput) -> tuple[StepBatch, SamplingRows]:

@@ -362,9 +362,25 @@ class LLMEngine:
                     parent_id=request_id if params.n > 1 else None)
             for i, (seq_id, seq_params) in enumerate(completions)
         ]
+        if params.bad_words:
+            words = self._bad_word_ids(params.bad_words)
+            for seq in seqs:
+                seq.bad_word_ids = words
         # The first computes the prompt; the others fork from it (Scheduler._fork_children).
         seqs[0].pending_children = seqs[1:]
         return seqs
+
+    def _bad_word_ids(self, words: list[str]) -> list[list[int]]:
+        """Each word's tokens as it starts the text and after a space (vLLM's two)."""
+        if self.tokenizer is None:
+            raise ValueError("bad_words need the model's tokenizer (tokenizer.json)")
+        out: list[list[int]] = []
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
 
     # ---- one step --------------------------------------------------------------
 

@@ -91,6 +91,8 @@ class Request(TokenCounts):
         self.hold_blocks = False
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
+        # ``params.bad_words`` as token ids (set by the engine, which has the tokenizer).
+        self.bad_word_ids: list[list[int]] = []
 
     @property
     def num_tokens(self) -> int:

@@ -31,6 +31,12 @@ def check_request(token_ids: list[int], params: SamplingParams, model: ModelConf
         )
     if params.n > max_n:
         raise ValueError(f"n must be at most {max_n}, got {params.n}")
+    for name, ids in (("logit_bias", params.logit_bias or ()),
+                      ("allowed_token_ids", params.allowed_token_ids or ())):
+        bad = [t for t in ids if t >= model.vocab_size]
+        if bad:
+            raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary "
+                             f"[0, {model.vocab_size})")
 
 
 def prompt_token_ids(prompt: object) -> list[int]:

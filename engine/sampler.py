@@ -172,8 +172,9 @@ def _apply_top_k_top_p_min_p(logits: torch.Tensor, batch: SamplingBatch) -> torc
 
 def _apply_penalties_and_bans(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """Repetition (over prompt and output, as in HF), presence and frequency
-    penalties (over output, as in OpenAI), and EOS/stop-token bans before
-    ``min_tokens``. Rows that need none are untouched."""
+    penalties (over output, as in OpenAI), a logit bias, allowed tokens, bad
+    words, and EOS/stop-token bans before ``min_tokens``. Rows that need none
+    are untouched."""
     rows = _penalized_rows(requests)
     if not rows:
         return logits
@@ -192,6 +193,18 @@ def _apply_penalties_and_bans(logits: torch.Tensor, requests: list[Request]) -> 
             out = torch.tensor(request.output_token_ids, dtype=torch.long, device=logits.device)
             counts = torch.bincount(out, minlength=vocab)[:vocab].to(logits.dtype)
             row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+        if params.logit_bias:
+            biased = [(t, b) for t, b in params.logit_bias.items() if t < vocab]
+            if biased:
+                ids, biases = zip(*biased, strict=True)
+                row[list(ids)] += torch.tensor(biases, dtype=logits.dtype, device=logits.device)
+        if params.allowed_token_ids is not None:
+            allowed = torch.full_like(row, float("-inf"))
+            keep = [t for t in params.allowed_token_ids if t < vocab]
+            allowed[keep] = 0.0
+            row += allowed
+        if request.bad_word_ids:
+            row[_completing(request.bad_word_ids, request.output_token_ids, vocab)] = float("-inf")
         if request.num_output_tokens < params.min_tokens:
             banned = list(params.stop_token_ids)
             if not params.ignore_eos:
@@ -202,9 +215,16 @@ def _apply_penalties_and_bans(logits: torch.Tensor, requests: list[Request]) -> 
     return logits
 
 
+def _completing(words: list[list[int]], output: list[int], vocab: int) -> list[int]:
+    """The last tokens of ``words`` whose other tokens end ``output``."""
+    return [w[-1] for w in words if w[-1] < vocab
+            and (len(w) == 1 or output[len(output) - len(w) + 1:] == w[:-1])]
+
+
 def _penalized_rows(requests: list[Request]) -> list[int]:
-    """Rows with a penalty, or an EOS/stop-token ban until ``min_tokens``."""
+    """Rows whose logits change (penalties, a bias, allowed tokens, bad
+    words), or with an EOS/stop-token ban until ``min_tokens``."""
     return [
         i for i, r in enumerate(requests)
-        if r.params.has_penalties or r.num_output_tokens < r.params.min_tokens
+        if r.params.changes_logits or r.num_output_tokens < r.params.min_tokens
     ]

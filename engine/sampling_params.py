@@ -41,6 +41,14 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     # A grammar the output must match (JSON Schema, regex, choice...); None: free text.
     structured_outputs: StructuredOutputsParams | None = None
+    # Token id -> added to its logit before sampling, in [-100, 100] (OpenAI's).
+    logit_bias: dict[int, float] | None = None
+    # Only these tokens may be sampled; None: any.
+    allowed_token_ids: list[int] | None = None
+    # Words that may not be generated: the last token of a word (with or
+    # without a leading space) is banned where the tokens before it end the
+    # output so far (as in vLLM).
+    bad_words: list[str] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, dict):
@@ -101,6 +109,25 @@ class SamplingParams:
         _check(
             self.seed is None or isinstance(self.seed, int), f"seed must be an int, got {self.seed!r}"
         )
+        if self.logit_bias is not None:
+            self.logit_bias = dict(self.logit_bias)
+            for token, bias in self.logit_bias.items():
+                _check(isinstance(token, int) and not isinstance(token, bool)
+                       and 0 <= token <= _UINT32_MAX,
+                       f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+                _check(isinstance(bias, int | float) and -100 <= bias <= 100,
+                       f"logit_bias values must be in [-100, 100], got {bias!r}")
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+            _check(bool(self.allowed_token_ids) and all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= _UINT32_MAX
+                for t in self.allowed_token_ids),
+                f"allowed_token_ids must be a non-empty list of token ids, "
+                f"got {self.allowed_token_ids}")
+        if self.bad_words is not None:
+            self.bad_words = list(self.bad_words)
+            _check(all(isinstance(w, str) and w.strip() for w in self.bad_words),
+                   "bad_words must be non-empty strings")
         # The integers' ranges: the workers' wire format (common.proto) carries them
         # (n's is max_n, which check_request holds it to).
         for name, low, high in (("max_tokens", 1, _UINT32_MAX),
@@ -123,6 +150,13 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+    @property
+    def changes_logits(self) -> bool:
+        """Penalties, a logit bias, allowed tokens or bad words: logits are
+        changed row by row before sampling."""
+        return (self.has_penalties or bool(self.logit_bias)
+                or self.allowed_token_ids is not None or bool(self.bad_words))
 
 
 _FLOAT32_MAX = 3.4028234663852886e38

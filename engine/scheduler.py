@@ -163,6 +163,7 @@ class Scheduler:
             eos_token_ids=request.eos_token_ids, index=request.index,
             block_ids=self.kv.block_ids(request.request_id),
             num_prompt_logprobs=len(request.prompt_logprobs),
+            bad_word_ids=request.bad_word_ids,
         )
 
     def update(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:

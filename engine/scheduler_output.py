@@ -32,6 +32,7 @@ class NewRequestData:
     # Prompt tokens that already have their logprob (a recompute after a
     # preemption scores only the missing ones).
     num_prompt_logprobs: int = 0
+    bad_word_ids: list[list[int]] = field(default_factory=list)  # params.bad_words, tokenized
 
 
 @dataclass

@@ -143,8 +143,8 @@ def build_app(service: GatewayService) -> FastAPI:
 
     async def _completions(body: CompletionRequest, span):
         service.check_model(body.model)
-        if body.echo or body.suffix or (body.best_of or 1) > 1 or body.logit_bias:
-            raise ValueError("echo, suffix, best_of and logit_bias are not supported")
+        if body.echo or body.suffix or (body.best_of or 1) > 1:
+            raise ValueError("echo, suffix and best_of are not supported")
         prompts = _prompts(body.prompt)
         if len(prompts) > service.config.max_prompts:
             raise ValueError(f"at most {service.config.max_prompts} prompts are allowed in one "
@@ -168,8 +168,6 @@ def build_app(service: GatewayService) -> FastAPI:
 
     async def _chat(body: ChatCompletionRequest, span):
         service.check_model(body.model)
-        if body.logit_bias:
-            raise ValueError("logit_bias is not supported")
         if not body.messages:
             raise InvalidField("messages", "messages must be a non-empty list")
         if len(body.messages) > service.config.max_messages:

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutputsParams
+from gateway.structured import InvalidField
 
 
 class StreamOptions(BaseModel):
@@ -41,6 +42,10 @@ class _Common(BaseModel):
     min_tokens: StrictInt = 0
     ignore_eos: bool = False
     stop_token_ids: list[StrictInt] | None = None
+    allowed_token_ids: list[StrictInt] | None = None
+    bad_words: list[str] | None = None
+    # OpenAI's: token ids (as strings, JSON's keys) -> a bias in [-100, 100].
+    logit_bias: dict[str, float] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # Output constraints (gateway/structured.py): OpenAI's, vLLM's newer and older fields.
@@ -66,7 +71,19 @@ class _Common(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens, structured_outputs=structured_outputs,
+            logit_bias=self._logit_bias(), allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
         )
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            if not key.isdigit():
+                raise InvalidField("logit_bias", f"logit_bias keys must be token ids, got {key!r}")
+            bias[int(key)] = value
+        return bias
 
     @property
     def include_usage(self) -> bool:
@@ -80,7 +97,6 @@ class CompletionRequest(_Common):
     echo: bool = False
     suffix: str | None = None
     best_of: StrictInt | None = Field(default=None, ge=1)
-    logit_bias: dict[str, float] | None = None
 
 
 class ChatMessage(BaseModel):
@@ -115,5 +131,4 @@ class ChatCompletionRequest(_Common):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    logit_bias: dict[str, float] | None = None
     add_generation_prompt: bool = True

@@ -31,6 +31,9 @@ def params_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
         structured_outputs=StructuredOutputsParams.from_wire(p.structured_outputs.kind,
                                                              p.structured_outputs.value)
         if p.HasField("structured_outputs") else None,
+        logit_bias=dict(p.logit_bias) or None,
+        allowed_token_ids=list(p.allowed_token_ids) or None,
+        bad_words=list(p.bad_words) or None,
     )
 
 
@@ -49,6 +52,12 @@ def params_to_proto(s: SamplingParams) -> common_pb2.SamplingParams:
         p.logprobs = s.logprobs
     if s.prompt_logprobs is not None:
         p.prompt_logprobs = s.prompt_logprobs
+    if s.logit_bias:
+        p.logit_bias.update(s.logit_bias)
+    if s.allowed_token_ids is not None:
+        p.allowed_token_ids.extend(s.allowed_token_ids)
+    if s.bad_words:
+        p.bad_words.extend(s.bad_words)
     if s.structured_outputs is not None:
         kind, value = s.structured_outputs.to_wire()
         p.structured_outputs.kind, p.structured_outputs.value = kind, value

@@ -9,12 +9,13 @@ import pickle
 
 import pytest
 import torch
-from engine_fixtures import assert_all_free, tiny_with_tokenizer
+from engine_fixtures import VOCAB, assert_all_free, tiny_with_tokenizer
 
 from tandem import LLM, SamplingParams
 from tandem.llm import engine_config
 
 PROMPT = "the quick brown fox"
+VOCAB_OUTSIDE = VOCAB + 5
 
 
 def greedy(**kwargs) -> SamplingParams:
@@ -189,3 +190,43 @@ def test_the_tokenizer_answers_hugging_faces_common_calls(llm):
     assert text == "<s>user: hello\n<s>assistant:"  # `tokenize` is not a template variable
     assert tok.apply_chat_template(messages, tokenize=True) == tok.encode(
         text, add_special_tokens=False)
+
+
+def test_logit_bias_allowed_token_ids_and_bad_words(llm):
+    tok = llm.get_tokenizer()
+    base = one(llm, PROMPT, greedy()).outputs[0].token_ids
+    banned = one(llm, PROMPT, greedy(logit_bias={base[0]: -100})).outputs[0].token_ids
+    assert banned[0] != base[0]
+    forced = one(llm, PROMPT, greedy(logit_bias={7: 100})).outputs[0].token_ids
+    assert forced == [7] * 8
+    allowed = one(llm, PROMPT, greedy(allowed_token_ids=[base[3], 7])).outputs[0].token_ids
+    assert set(allowed) <= {base[3], 7}
+
+    # A one-token word is banned everywhere; a longer one only where its
+    # other tokens end the output.
+    word = tok.decode(base[:1])
+    assert [base[0]] in llm.engine._bad_word_ids([word])
+    assert one(llm, PROMPT, greedy(bad_words=[word])).outputs[0].token_ids[0] != base[0]
+    pair = tok.decode(base[1:3])
+    assert base[1:3] in llm.engine._bad_word_ids([pair])
+    out = one(llm, PROMPT, greedy(bad_words=[pair])).outputs[0].token_ids
+    assert out[:2] == base[:2] and out[2] != base[2]
+
+    for bad in (dict(logit_bias={VOCAB_OUTSIDE: 1.0}), dict(allowed_token_ids=[VOCAB_OUTSIDE])):
+        with pytest.raises(ValueError, match="vocabulary"):
+            llm.generate(PROMPT, greedy(**bad), use_tqdm=False)
+    for bad in (dict(logit_bias={1: 101}), dict(logit_bias={-1: 1}), dict(allowed_token_ids=[]),
+                dict(bad_words=[""])):
+        with pytest.raises(ValueError):
+            greedy(**bad)
+    assert_all_free(llm.engine)
+
+
+def test_bad_words_complete_only_after_their_other_tokens():
+    from engine.sampler import _completing
+
+    words = [[5], [7, 8], [1, 2, 3]]
+    assert _completing(words, [], 100) == [5]
+    assert _completing(words, [4, 7], 100) == [5, 8]
+    assert _completing(words, [1, 2], 100) == [5, 3]
+    assert _completing(words, [2, 1], 100) == [5]

@@ -188,6 +188,23 @@ def test_stop_strings(client):
     assert included.choices[0].text == before + stop
 
 
+def test_logit_bias_and_allowed_token_ids(client, tokenizer):
+    fox = tokenizer.encode("fox", add_special_tokens=False)[0]
+    want = tokenizer.decode([fox] * 6)
+    biased = client.completions.create(model=SERVED, prompt=PROMPT, max_tokens=6,
+                                       logit_bias={str(fox): 100}, **GREEDY)
+    assert biased.choices[0].text == want
+    allowed = client.chat.completions.create(
+        model=SERVED, messages=MESSAGES, max_tokens=6, temperature=0,
+        extra_body={"ignore_eos": True, "allowed_token_ids": [fox]})
+    assert allowed.choices[0].message.content == want
+    for bias, param in (({"fox": 1}, "logit_bias"), ({str(10**6): 1}, None),
+                        ({str(fox): 500}, None)):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model=SERVED, prompt=PROMPT, max_tokens=2, logit_bias=bias)
+        assert "logit_bias" in err.value.message and err.value.body.get("param") == param
+
+
 def test_seed_reproducibility(client):
     def sample(seed: int) -> list[str]:
         out = client.completions.create(model=SERVED, prompt=PROMPT, max_tokens=16, n=2,

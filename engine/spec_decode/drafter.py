@@ -226,7 +226,8 @@ class SpecDecoder:
 def speculates(request: Request) -> bool:
     """Whether the verifier can sample this sequence exactly as ``sample``
     would: it applies temperature, top-k, top-p, min-p and a structured
-    output's grammar masks, not logprobs, penalties or the ``min_tokens`` bans."""
+    output's grammar masks, not logprobs, penalties, logit biases, allowed
+    tokens, bad words or the ``min_tokens`` bans."""
     p = request.params
-    return (p.logprobs is None and not p.has_penalties
+    return (p.logprobs is None and not p.changes_logits
             and request.num_output_tokens >= p.min_tokens)

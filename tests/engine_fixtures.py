@@ -87,6 +87,15 @@ def _tiny_with_tokenizer(name: str) -> Path:
     return path
 
 
+def tiny_llm():
+    """The offline API over the tiny model with a tokenizer: float32, a
+    256-token context, 128 blocks of 4."""
+    from tandem import LLM
+
+    return LLM(str(tiny_with_tokenizer()), dtype="float32", block_size=4, num_blocks=128,
+               max_model_len=256)
+
+
 def make_engine(model_dir: Path | str, **kwargs):
     from engine.llm_engine import LLMEngine
     from tandem.llm import engine_config

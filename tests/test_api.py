@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from engine_fixtures import VOCAB, assert_all_free, root, tiny_with_tokenizer
+from engine_fixtures import VOCAB, assert_all_free, root, tiny_llm, tiny_with_tokenizer
 from safetensors.torch import save_file
 
 import tandem
@@ -27,8 +27,8 @@ def model_dir():
 
 
 @pytest.fixture(scope="module")
-def llm(model_dir):
-    return LLM(str(model_dir), dtype="float32", block_size=4, num_blocks=128, max_model_len=256)
+def llm():
+    return tiny_llm()
 
 
 @pytest.fixture

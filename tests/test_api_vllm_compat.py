@@ -9,7 +9,7 @@ import pickle
 
 import pytest
 import torch
-from engine_fixtures import VOCAB, assert_all_free, tiny_with_tokenizer
+from engine_fixtures import VOCAB, assert_all_free, tiny_llm, tiny_with_tokenizer
 
 from tandem import LLM, SamplingParams
 from tandem.llm import engine_config
@@ -23,13 +23,8 @@ def greedy(**kwargs) -> SamplingParams:
 
 
 @pytest.fixture(scope="module")
-def model_dir():
-    return tiny_with_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def llm(model_dir):
-    return LLM(str(model_dir), dtype="float32", block_size=4, num_blocks=128, max_model_len=256)
+def llm():
+    return tiny_llm()
 
 
 def one(llm, prompt, params):
@@ -130,7 +125,8 @@ def test_top_k_zero_means_no_top_k(llm):
     assert a == b
 
 
-def test_vllm_constructor_and_generate_arguments(model_dir, llm):
+def test_vllm_constructor_and_generate_arguments(llm):
+    model_dir = tiny_with_tokenizer()
     small = LLM(str(model_dir), dtype=torch.float32, seed=None, trust_remote_code=True,
                 disable_log_stats=True, tokenizer=str(model_dir), max_logprobs=1,
                 block_size=4, num_blocks=64)

@@ -20,9 +20,10 @@ def check_request(token_ids: list[int], params: SamplingParams, model: ModelConf
     """ValueError unless ``token_ids`` (the prompt) with ``params`` fits a
     model served with ``max_model_len`` tokens of context and ``max_n``
     completions per request."""
-    model.check_prompt(token_ids)
     total = len(token_ids) + params.max_tokens
-    if total > max_model_len:
+    if total <= max_model_len:  # NOTE: the length first: it is cheap, the ids' check is not
+        model.check_prompt(token_ids)
+    else:
         # NOTE: OpenAI's wording (clients parse it), and the setting's name.
         raise ValueError(
             f"This model's maximum context length is {max_model_len} tokens (max_model_len). "
@@ -31,6 +32,9 @@ def check_request(token_ids: list[int], params: SamplingParams, model: ModelConf
         )
     if params.n > max_n:
         raise ValueError(f"n must be at most {max_n}, got {params.n}")
+    if len(params.allowed_token_ids or ()) > model.vocab_size:
+        raise ValueError(f"allowed_token_ids has {len(params.allowed_token_ids)} entries, more "
+                         f"than the vocabulary's {model.vocab_size} tokens")
     for name, ids in (("logit_bias", params.logit_bias or ()),
                       ("allowed_token_ids", params.allowed_token_ids or ())):
         bad = [t for t in ids if t >= model.vocab_size]

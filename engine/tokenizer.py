@@ -3,6 +3,7 @@ tokenizes with it."""
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -37,13 +38,25 @@ class Tokenizer:
         self.eos_token_id: int | None = eos_id
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # NOTE: encode_batch, not encode: the same ids, but it lets go of the
+        # GIL while it works, so a long prompt tokenized on the gateway's
+        # tokenizer threads does not stop its event loop (and every other
+        # request's stream) for the whole encode.
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The longest token's spelling in the vocabulary, in characters: no
+        token decodes to more (a byte-level or byte-fallback spelling is at
+        least as long as its text), so a text of ``k * max_token_chars``
+        characters takes more than ``k`` tokens, normalizers aside."""
+        return max((len(t) for t in self._tok.get_vocab(with_added_tokens=True)), default=1)
 
     # ---- a few of Hugging Face's tokenizer calls, for code written against them ----
 

@@ -30,8 +30,9 @@ async def run_gateway(config: GatewayConfig, host: str, port: int, grpc_port: in
     # Callers of the gateway authenticate with API keys; a client certificate
     # only when --tls-client-ca-file asks for one.
     credentials = tls.server_credentials(config.tls_client_ca_file) if tls.enabled else None
+    # The public port takes requests as large as a REST body, not a KV chunk.
     grpc_server = GrpcServer(host, grpc_port, interceptors=[ApiKeyInterceptor(service.keys)],
-                             credentials=credentials)
+                             credentials=credentials, max_message_bytes=config.max_body_bytes)
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(service),
                                                          grpc_server.server)
     grpc_server.add_service(generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name)

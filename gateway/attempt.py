@@ -189,12 +189,17 @@ class Attempts:
                     # one worker refuses is its own limit (a smaller KV cache than
                     # the request needs in all): another worker may be bigger.
                     refused = err
+                    seq.holders.discard(decode.address)  # refused: nothing reserved
                 elif err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     full = True
+                    seq.holders.discard(decode.address)  # full: nothing reserved
                 else:
+                    # NOTE: a holder still: a reserve that timed out (or whose
+                    # answer was lost) may have reserved all the same, and a
+                    # retry under the same id there would be refused as a
+                    # duplicate; abort_everywhere frees it before any retry.
                     unreachable = err
                 logger.info("reserve on %s failed: %s", decode.address, err.details())
-                seq.holders.discard(decode.address)
                 continue
             decode.free_blocks -= len(reply.ticket.block_ids)
             return decode, reply.ticket

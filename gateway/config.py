@@ -68,12 +68,15 @@ class GatewayConfig:
     drain_grace_s: float = _opt(10.0, flag="--grace")
     # Limits, checked before any work is done or anything allocated for a
     # request (docs/reliability.md): a request over one gets a 4xx.
-    max_body_bytes: int = _opt(8 << 20, "largest REST request body (413 above)")
+    max_body_bytes: int = _opt(8 << 20, "largest REST request body (413 above) or gRPC "
+                                         "request message (RESOURCE_EXHAUSTED above)")
     max_n: int = _opt(16, "most completions one request may ask for (n)")
     max_prompts: int = _opt(64, "most prompts in one /v1/completions request")
     max_messages: int = _opt(1024, "most messages in one chat request")
     max_stop: int = _opt(16, "most stop strings plus stop token ids in one request")
-    max_stop_chars: int = _opt(1024, "longest stop string, in characters")
+    max_stop_chars: int = _opt(1024, "longest stop string or bad word, in characters")
+    max_bad_words: int = _opt(64, "most bad_words in one request (each tokenized by the workers)")
+    max_logit_bias: int = _opt(1024, "most logit_bias entries in one request")
     tokenizer_threads: int = _opt(2, "threads that tokenize off the event loop")
     # TLS: the shared --tls-* flags (rpc/tls.py) serve the REST and gRPC
     # ports and make the calls to workers mTLS.
@@ -113,7 +116,8 @@ class GatewayConfig:
             raise ValueError(f"tool_call_parser must be one of {PARSERS}, "
                              f"got {self.tool_call_parser!r}")
         for name in ("max_active_requests", "max_body_bytes", "max_n", "max_prompts",
-                     "max_messages", "max_stop", "max_stop_chars", "tokenizer_threads"):
+                     "max_messages", "max_stop", "max_stop_chars", "max_bad_words",
+                     "max_logit_bias", "tokenizer_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
 

@@ -103,12 +103,25 @@ class GatewayService:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
+            self._check_chars(len(prompt))
             return self.tokenizer.encode(prompt)
         return list(prompt)  # checked against the vocabulary by check_request
 
     def tokenize_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                       tools: list[dict] | None = None) -> list[int]:
+        self._check_chars(sum(len(m.get("content") or "") for m in messages))
         return self.tokenizer.encode_chat(messages, add_generation_prompt, tools)
+
+    def _check_chars(self, chars: int) -> None:
+        """ValueError for a text far too long for the context, before the
+        time (seconds for megabytes) of tokenizing it is spent."""
+        # NOTE: 4x the bound (tokenizer.max_token_chars) for normalizers that
+        # shorten a text before it is split.
+        most = 4 * self.max_model_len * self.tokenizer.max_token_chars
+        if chars > most:
+            raise ValueError(f"This model's maximum context length is {self.max_model_len} "
+                             f"tokens (max_model_len); the prompt has {chars} characters, far "
+                             f"more than that many tokens hold")
 
     def default_max_tokens(self, prompt: list[int]) -> int:
         return max(1, self.max_model_len - len(prompt))
@@ -129,6 +142,14 @@ class GatewayService:
                              f"allowed, got {num_stop}")
         if any(len(s) > cfg.max_stop_chars for s in params.stop):
             raise ValueError(f"a stop string may have at most {cfg.max_stop_chars} characters")
+        words = params.bad_words or []
+        if len(words) > cfg.max_bad_words:
+            raise ValueError(f"at most {cfg.max_bad_words} bad_words are allowed, got {len(words)}")
+        if any(len(w) > cfg.max_stop_chars for w in words):
+            raise ValueError(f"a bad word may have at most {cfg.max_stop_chars} characters")
+        if len(params.logit_bias or ()) > cfg.max_logit_bias:
+            raise ValueError(f"at most {cfg.max_logit_bias} logit_bias entries are allowed, "
+                             f"got {len(params.logit_bias)}")
 
     # ---- generation ---------------------------------------------------------------------
 

@@ -20,10 +20,16 @@ logger = logging.getLogger("rpc")
 
 class GrpcServer:
     def __init__(self, host: str, port: int, interceptors: list | None = None,
-                 credentials: grpc.ServerCredentials | None = None) -> None:
-        """``credentials``: serve TLS (``TLSConfig.server_credentials``)."""
+                 credentials: grpc.ServerCredentials | None = None,
+                 max_message_bytes: int | None = None) -> None:
+        """``credentials``: serve TLS (``TLSConfig.server_credentials``).
+        ``max_message_bytes``: the largest message a caller may send (default
+        OPTIONS', sized for KV chunks between workers)."""
+        options = OPTIONS if max_message_bytes is None else [
+            *(o for o in OPTIONS if o[0] != "grpc.max_receive_message_length"),
+            ("grpc.max_receive_message_length", max_message_bytes)]
         self.server = grpc.aio.server(
-            interceptors=[ErrorInterceptor(), *(interceptors or [])], options=OPTIONS
+            interceptors=[ErrorInterceptor(), *(interceptors or [])], options=options
         )
         address = f"{host}:{port}"
         self.port = (self.server.add_insecure_port(address) if credentials is None

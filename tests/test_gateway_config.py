@@ -18,7 +18,7 @@ KNOWN_FLAGS = {
     "--max-attempts", "--stall-timeout-s", "--finished-ttl", "--grace",
     # Request limits.
     "--max-body-bytes", "--max-n", "--max-prompts", "--max-messages", "--max-stop",
-    "--max-stop-chars", "--tokenizer-threads",
+    "--max-stop-chars", "--max-bad-words", "--max-logit-bias", "--tokenizer-threads",
     # TLS (the --tls-* flags shared with workers are rpc/tls.py's, not fields here).
     "--tls-client-ca-file",
     # Tool calling.

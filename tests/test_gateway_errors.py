@@ -81,6 +81,10 @@ COMPLETION_CASES = {
     "negative_stop_token": ({"stop_token_ids": [-1]}, "stop_token_ids"),
     "huge_stop_token": ({"stop_token_ids": [10**12]}, "stop_token_ids"),
     "float32_overflow": ({"temperature": 1e300}, "temperature"),
+    "too_many_bad_words": ({"bad_words": [f"w{i}" for i in range(65)]}, "bad_words"),
+    "long_bad_word": ({"bad_words": ["x" * 1025]}, "bad word"),
+    "too_many_logit_biases": ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"),
+    "too_many_allowed_tokens": ({"allowed_token_ids": [1] * 100_000}, "allowed_token_ids"),
 }
 
 
@@ -155,6 +159,16 @@ def test_prompt_longer_than_the_context(http):
     error = assert_error(http.post("/v1/chat/completions", json={
         "model": SERVED, "messages": [{"role": "user", "content": "hello " * 1200}]}), 400)
     assert "1024" in error["message"], error
+
+
+def test_a_text_far_over_the_context_is_refused_before_it_is_tokenized(http):
+    # 4 x 1024 tokens x the toy vocabulary's longest spelling: no tokenizer
+    # run could fit this text in the context, so none is run.
+    for path, body in (("/v1/completions", {"prompt": "ab " * 400_000}),
+                       ("/v1/chat/completions",
+                        {"messages": [{"role": "user", "content": "ab " * 400_000}]})):
+        error = assert_error(http.post(path, json={"model": SERVED, **body}), 400)
+        assert "1024" in error["message"] and "characters" in error["message"], error
 
 
 def test_a_body_over_the_limit_is_413_and_the_gateway_stays_responsive(http):

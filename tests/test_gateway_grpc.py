@@ -133,6 +133,13 @@ def test_too_long_message_states_limit_and_length(stub):
     assert "1024" in err.value.details() and "1100" in err.value.details()
 
 
+def test_a_message_over_the_body_limit_is_resource_exhausted(stub):
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(generation_pb2.GenerateRequest(text="a" * (9 << 20),
+                                                          params=greedy(1)), timeout=30))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
 def test_empty_prompt_and_unknown_model(stub, http):
     with pytest.raises(grpc.RpcError) as err:
         list(stub.Generate(generation_pb2.GenerateRequest(params=greedy(4)), timeout=30))

@@ -159,7 +159,7 @@ def build_app(service: GatewayService) -> FastAPI:
             service.check_request(t, p)
         rid = f"cmpl-{uuid.uuid4().hex}"
         render = CompletionRenderer(service, rid, len(token_lists), params[0].n,
-                                     body.logprobs or 0)
+                                     body.logprobs or 0, params[0].stop_token_ids)
         return await _answer(render, _merge(service, rid, token_lists, params, span), body)
 
     @app.post("/v1/chat/completions")
@@ -188,7 +188,8 @@ def build_app(service: GatewayService) -> FastAPI:
         params = body.sampling(max_tokens, top, structured_outputs=constraint)
         service.check_request(tokens, params)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        render = ChatRenderer(service, rid, params.n, top or 0, tool_parser, names)
+        render = ChatRenderer(service, rid, params.n, top or 0, tool_parser, names,
+                              params.stop_token_ids)
         return await _answer(render, _merge(service, rid, [tokens], [params], span), body)
 
     return app

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 from gateway.sequence import Chunk
@@ -16,8 +16,12 @@ class Renderer:
     object_name = ""
     chunk_object = ""
 
-    def __init__(self, service: GatewayService, rid: str, num_choices: int) -> None:
+    def __init__(self, service: GatewayService, rid: str, num_choices: int,
+                 stop_token_ids: Iterable[int] = ()) -> None:
+        """``stop_token_ids``: the request's, to tell a stop token (an int in
+        ``stop_reason``, as vLLM gives it) from a stop string."""
         self.service = service
+        self.stop_token_ids = frozenset(stop_token_ids)
         self.rid = rid
         self.created = int(time.time())
         self.num_choices = num_choices
@@ -37,6 +41,16 @@ class Renderer:
                 "total_tokens": prompt + self.completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens.values())}}
 
+    def stop_reason(self, chunk: Chunk) -> int | str | None:
+        """What stopped the completion, as vLLM reports it: the stop string,
+        the stop token id, or None (EOS, length, not finished)."""
+        reason = chunk.stop_reason
+        if not reason or not chunk.finish_reason:
+            return None
+        if reason.isdigit() and int(reason) in self.stop_token_ids:
+            return int(reason)
+        return reason
+
     def token_text(self, token_id: int) -> str:
         return self.service.tokenizer.decode([token_id], skip_special_tokens=False)
 
@@ -50,18 +64,18 @@ class Renderer:
         return {"id": self.rid, "object": obj, "created": self.created,
                 "model": self.service.model_name, "choices": choices}
 
-    @staticmethod
-    def _extend(choice: dict, logprobs: dict | None, finish_reason: str | None) -> None:
-        """Fold one chunk's logprobs (lists under each key) and finish reason
-        into a choice being collected."""
+    def _extend(self, choice: dict, logprobs: dict | None, chunk: Chunk) -> None:
+        """Fold one chunk's logprobs (lists under each key), finish and stop
+        reason into a choice being collected."""
         if logprobs is not None:
             if choice["logprobs"] is None:
                 choice["logprobs"] = logprobs
             else:
                 for key, values in logprobs.items():
                     choice["logprobs"][key].extend(values)
-        if finish_reason:
-            choice["finish_reason"] = finish_reason
+        if chunk.finish_reason:
+            choice["finish_reason"] = chunk.finish_reason
+            choice["stop_reason"] = self.stop_reason(chunk)
 
     def _collected(self, choices: dict[int, dict], obj: str) -> dict:
         body = self._envelope([choices[i] for i in sorted(choices)], obj)
@@ -70,8 +84,9 @@ class Renderer:
 
 
 class CompletionRenderer(Renderer):
-    def __init__(self, service, rid, num_prompts: int, n: int, top_n: int) -> None:
-        super().__init__(service, rid, num_prompts * n)
+    def __init__(self, service, rid, num_prompts: int, n: int, top_n: int,
+                 stop_token_ids: Iterable[int] = ()) -> None:
+        super().__init__(service, rid, num_prompts * n, stop_token_ids)
         self.n = n
         self.top_n = top_n
         self.offsets: dict[int, int] = {}
@@ -86,8 +101,10 @@ class CompletionRenderer(Renderer):
             self.offsets[choice] = offsets[-1] + len(text)
             tokens.append(text)
             values.append(lp.logprob)
-            top = list(zip(lp.top_token_ids, lp.top_logprobs))[: self.top_n]
-            tops.append({self.token_text(t): v for t, v in top})
+            # The top ``logprobs`` and the sampled token, as OpenAI's
+            # completions give them (so up to logprobs + 1 entries).
+            tops.append({self.token_text(t): v for t, v in zip(lp.top_token_ids,
+                                                                lp.top_logprobs)})
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
                 "text_offset": offsets}
 
@@ -97,7 +114,7 @@ class CompletionRenderer(Renderer):
             choice = p * self.n + chunk.index
             yield self._envelope([{
                 "index": choice, "text": chunk.text, "logprobs": self._logprobs(choice, chunk),
-                "finish_reason": chunk.finish_reason,
+                "finish_reason": chunk.finish_reason, "stop_reason": self.stop_reason(chunk),
             }], "text_completion")
         if include_usage:
             yield {**self._envelope([], "text_completion"), "usage": self.usage()}
@@ -108,16 +125,17 @@ class CompletionRenderer(Renderer):
             self._account(p, chunk)
             index = p * self.n + chunk.index
             c = choices.setdefault(index, {"index": index, "text": "", "logprobs": None,
-                                           "finish_reason": None})
+                                           "finish_reason": None, "stop_reason": None})
             c["text"] += chunk.text
-            self._extend(c, self._logprobs(index, chunk), chunk.finish_reason)
+            self._extend(c, self._logprobs(index, chunk), chunk)
         return self._collected(choices, "text_completion")
 
 
 class ChatRenderer(Renderer):
     def __init__(self, service, rid, n: int, top_n: int, tool_parser=None,
-                 tool_names: frozenset[str] | None = None) -> None:
-        super().__init__(service, rid, n)
+                 tool_names: frozenset[str] | None = None,
+                 stop_token_ids: Iterable[int] = ()) -> None:
+        super().__init__(service, rid, n, stop_token_ids)
         self.top_n = top_n
         # Finds tool calls in each choice's text (gateway/tool_parsers.py); None: no tools.
         self.tool_parser = tool_parser
@@ -161,7 +179,7 @@ class ChatRenderer(Renderer):
                 delta["content"] = text
             yield self._envelope([{
                 "index": chunk.index, "delta": delta, "logprobs": self._logprobs(chunk),
-                "finish_reason": reason,
+                "finish_reason": reason, "stop_reason": self.stop_reason(chunk),
             }], "chat.completion.chunk")
         if include_usage:
             yield {**self._envelope([], "chat.completion.chunk"), "usage": self.usage()}
@@ -172,10 +190,10 @@ class ChatRenderer(Renderer):
             self._account(p, chunk)
             c = choices.setdefault(chunk.index, {
                 "index": chunk.index, "message": {"role": "assistant", "content": ""},
-                "logprobs": None, "finish_reason": None,
+                "logprobs": None, "finish_reason": None, "stop_reason": None,
             })
             c["message"]["content"] += chunk.text
-            self._extend(c, self._logprobs(chunk), chunk.finish_reason)
+            self._extend(c, self._logprobs(chunk), chunk)
         if self.tool_parser is not None:
             for c in choices.values():
                 message = c["message"]

@@ -167,14 +167,20 @@ def finished_calls(parser, text: str, names: frozenset[str] | None = None,
                    ) -> tuple[str | None, list[dict]]:
     """(content, tool_calls in OpenAI's shape) of a finished text. Calls
     whose arguments do not parse, or that name a function not in ``names``
-    (None: any), are not calls: the text stays content then, all of it."""
+    (None: any), are not calls: the text stays content then, all of it;
+    except where a grammar made the text calls (``Named``, ``Required``):
+    there a call cut short is returned as it is."""
     seen = parser.seen(text)
     if not seen.is_calls:
         return text, []
-    if not all_valid(seen.calls, names):
-        return (None if isinstance(parser, Named | Required) else text), []
     calls = [{"id": new_call_id(), "type": "function",
               "function": {"name": name, "arguments": args}} for name, args, _ in seen.calls]
+    if isinstance(parser, Named | Required):
+        # The grammar held the text to calls: one cut off (by max_tokens) is
+        # still a call, its arguments as far as they got, as streamed.
+        return None, calls
+    if not all_valid(seen.calls, names):
+        return text, []
     return seen.content.strip() or None, calls
 
 

@@ -59,6 +59,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="KV cache per worker on the CPU, in GiB")
     p.add_argument("--dtype", default=default_of(EngineConfig, "dtype"), choices=DTYPE_CHOICES,
                    help="auto: bfloat16 where the hardware has it natively, else float32")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context length for the workers and the gateway alike (default: the "
+                        "model's)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve each worker's Prometheus /metrics from this port on: "
@@ -78,6 +81,8 @@ def start_cluster(args: argparse.Namespace, cluster: LocalCluster):
               "--kv-cache-gib", str(args.kv_cache_gib), *args.worker_arg]
     if args.state_url:
         common += ["--state-url", args.state_url]
+    length = [] if args.max_model_len is None else ["--max-model-len", str(args.max_model_len)]
+    common += length
     decode_role = "decode" if args.prefill > 0 else "both"
     # Each worker its own cores, unless the user placed them (or there are
     # fewer cores than workers): full OpenMP teams side by side stall each other.
@@ -98,7 +103,7 @@ def start_cluster(args: argparse.Namespace, cluster: LocalCluster):
         for i, role in enumerate(roles)])
     prefills, decodes = workers[:args.prefill], workers[args.prefill:]
     gateway_args = [*model, "--host", args.host, "--port", str(args.port),
-                    "--grpc-port", str(args.grpc_port), "--transport", args.transport]
+                    "--grpc-port", str(args.grpc_port), "--transport", args.transport, *length]
     if args.disagg_policy:
         gateway_args += ["--disagg-policy", args.disagg_policy]
     for p in prefills:

@@ -178,14 +178,35 @@ def test_stop_strings(client):
                                     **GREEDY)
     assert out.choices[0].text == before
     assert out.choices[0].finish_reason == "stop"
+    assert out.choices[0].stop_reason == stop  # vLLM's field: what stopped it
     chunks = list(client.completions.create(model=SERVED, prompt=PROMPT, max_tokens=40,
                                             stop=stop, stream=True, **GREEDY))
     assert "".join(c.choices[0].text for c in chunks) == before
     assert chunks[-1].choices[0].finish_reason == "stop"
+    assert chunks[-1].choices[0].stop_reason == stop
     included = client.completions.create(
         model=SERVED, prompt=PROMPT, max_tokens=40, stop=[stop], temperature=0,
         extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
     assert included.choices[0].text == before + stop
+
+
+def test_a_stop_token_is_the_stop_reason(client, tokenizer):
+    free = client.completions.create(model=SERVED, prompt=PROMPT, max_tokens=12, logprobs=0,
+                                     **GREEDY).choices[0]
+    assert free.stop_reason is None and free.finish_reason == "length"
+    # logprobs=0: no alternatives, but the sampled token's own logprob (OpenAI's shape).
+    assert [len(top) for top in free.logprobs.top_logprobs] == [1] * 12
+    assert [next(iter(top)) for top in free.logprobs.top_logprobs] == free.logprobs.tokens
+    # A generated token whose text encodes back to one id: that id is the token.
+    token = next(ids[0] for text in free.logprobs.tokens[1:]
+                 if len(ids := tokenizer.encode(text, add_special_tokens=False)) == 1
+                 and tokenizer.decode(ids) == text)
+    for stream in (False, True):
+        out = client.completions.create(model=SERVED, prompt=PROMPT, max_tokens=12,
+                                        stream=stream, temperature=0,
+                                        extra_body={"ignore_eos": True, "stop_token_ids": [token]})
+        last = list(out)[-1].choices[0] if stream else out.choices[0]
+        assert last.finish_reason == "stop" and last.stop_reason == token
 
 
 def test_logit_bias_and_allowed_token_ids(client, tokenizer):

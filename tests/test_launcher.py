@@ -106,11 +106,12 @@ def test_the_cluster_dies_with_its_launcher(how):
 
 
 def test_metrics_port_gives_the_decode_workers_speculation_counters():
+    """(And --max-model-len reaches every process.)"""
     base = _two_free_ports()  # the prefill worker's /metrics at base, the decode worker's next
     lines: list[str] = []
     spec = '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1}'
     proc = _start_up("--metrics-port", str(base), f"--worker-arg=--speculative-config={spec}",
-                     ready="Ctrl-C stops it", lines=lines)
+                     "--max-model-len", "200", ready="Ctrl-C stops it", lines=lines)
     try:
         text = "".join(lines)
         url = text.split("Tandem is serving at ")[1].split()[0]
@@ -119,6 +120,8 @@ def test_metrics_port_gives_the_decode_workers_speculation_counters():
         assert f"decode worker 0 metrics: {decode_url}" in text
         before = spec_metrics.scrape(decode_url)
         assert before is not None, "the decode worker exports no speculation counters"
+        # --max-model-len reaches the gateway as well as the workers.
+        assert httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["max_model_len"] == 200
         r = httpx.post(f"{url}/v1/completions", timeout=120, json={
             "prompt": "a b c a b c a b c a b c", "max_tokens": 16, "ignore_eos": True})
         assert r.status_code == 200, r.text

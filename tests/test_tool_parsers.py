@@ -124,6 +124,13 @@ def test_a_cut_off_call_is_not_complete():
     assert finished_calls(Hermes(), text, WEATHER) == (text, [])
 
 
+def test_a_grammar_held_call_cut_short_is_still_a_call():
+    (call,) = finished_calls(Named("get_weather"), '{"city": "Par')[1]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Par'}
+    content, calls = finished_calls(Required(), REQUIRED_TEXT[:60])
+    assert content is None and [c["function"]["name"] for c in calls] == ["get_weather"]
+
+
 def test_template_without_tools_gets_them_as_text():
     tools = parse_tools([{"type": "function", "function": {"name": "get_time"}}])
     messages = [ChatMessage(role="user", content="time?"),

@@ -4,6 +4,9 @@
 
 ``--prefill 0`` runs colocated workers (each does prefill and decode).
 Prints the URL and a ready-to-paste curl line; Ctrl-C stops everything.
+A worker that exits is reported and the rest go on serving (the gateway
+moves its requests); the cluster stops once no gateway or no decode worker
+is left.
 """
 
 from __future__ import annotations
@@ -145,11 +148,18 @@ def run(args: argparse.Namespace) -> int:
                       flush=True)
         print("Ctrl-C stops it.", flush=True)
         try:
+            reported: set[int] = set()
             while not stop.wait(0.5):
-                dead = [p for p in cluster.procs if not p.alive]
-                if dead:
-                    print(f"{dead[0].role} process exited:\n{dead[0].output()[-2000:]}",
-                          file=sys.stderr)
+                for proc in cluster.procs:
+                    if not proc.alive and id(proc) not in reported:
+                        reported.add(id(proc))
+                        print(f"{proc.role} process exited:\n{proc.output()[-2000:]}",
+                              file=sys.stderr, flush=True)
+                # NOTE: a worker's death is not the cluster's: the gateway
+                # moves its requests to the others (docs/architecture.md). Only
+                # without a gateway or any decode worker is nothing served.
+                if not gateway.alive or not any(
+                        p.alive for p in cluster.procs if p.role in ("decode", "both")):
                     return 1
         except KeyboardInterrupt:
             pass

@@ -105,6 +105,36 @@ def test_the_cluster_dies_with_its_launcher(how):
         proc.stdout.close()
 
 
+def _cmdline(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+
+
+def test_a_dead_worker_is_reported_and_the_rest_serve_on():
+    lines: list[str] = []
+    proc = _start_up("--decode", "2", lines=lines)
+    kids = _children(proc.pid)
+    try:
+        url = "".join(lines).split("Tandem is serving at ")[1].split()[0]
+        decodes = [pid for pid in kids if "decode_service" in _cmdline(pid)]
+        assert len(decodes) == 2, [_cmdline(pid) for pid in kids]
+        os.kill(decodes[0], signal.SIGKILL)
+        time.sleep(2)  # the launcher looks twice a second
+        assert proc.poll() is None, "one worker's death stopped the cluster"
+        for _ in range(3):  # whichever decode worker a request is sent to, it is served
+            r = httpx.post(f"{url}/v1/completions", timeout=120, json={
+                "prompt": "a b c", "max_tokens": 4, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+        os.kill(decodes[1], signal.SIGKILL)  # no decode worker left: nothing is served
+        assert proc.wait(timeout=30) == 1
+        assert _wait_gone(kids) == [], "processes outlived their launcher"
+    finally:
+        for pid in kids:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        proc.kill()
+        proc.stdout.close()
+
+
 def test_metrics_port_gives_the_decode_workers_speculation_counters():
     """(And --max-model-len reaches every process.)"""
     base = _two_free_ports()  # the prefill worker's /metrics at base, the decode worker's next

@@ -51,7 +51,7 @@ def test_the_checker_sees_a_reach_in():
 
 def test_scheduler_output_is_plain_data():
     """No Request objects or tensors cross from the scheduler to the runner."""
-    allowed = {"str", "int", "bool", "list[int]", "list[str]", "tuple[int, ...]",
+    allowed = {"str", "int", "bool", "list[int]", "list[list[int]]", "list[str]", "tuple[int, ...]",
                "SamplingParams", "list[NewRequestData]", "list[ScheduledRequest]",
                "dict[str, int]", "dict[str, list[int]]", "dict[str, dict[int, float]]",
                "dict[str, list[dict[int, float] | None]]"}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import json
 import logging
 import uuid
@@ -24,7 +25,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.fan_in import FanIn
 from gateway.openai_render import ChatRenderer, CompletionRenderer
-from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from gateway.request_guard import RequestGuard, error_body
 from gateway.sequence import Chunk
 from gateway.service import GatewayService, ModelNotFound, request_span
@@ -37,6 +43,10 @@ from rpc.tracing import context_from_headers, end_span, tracer
 logger = logging.getLogger("gateway")
 
 RETRY_AFTER_S = "1"
+try:
+    TANDEM_VERSION = importlib.metadata.version("tandem-serve")  # pyproject.toml's
+except importlib.metadata.PackageNotFoundError:  # run from a checkout that was not installed
+    TANDEM_VERSION = "unknown"
 _tracer = tracer("tandem.gateway")
 
 
@@ -76,7 +86,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 def build_app(service: GatewayService) -> FastAPI:
-    app = FastAPI(title="Tandem", version="0.1.0")
+    app = FastAPI(title="Tandem", version=TANDEM_VERSION)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -128,6 +138,39 @@ def build_app(service: GatewayService) -> FastAPI:
         return {"id": service.model_name, "object": "model", "created": service.created,
                 "owned_by": "tandem", "max_model_len": service.max_model_len}
 
+    @app.get("/version")
+    async def version():
+        return {"version": TANDEM_VERSION}
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping():  # vLLM's (and SageMaker's) liveness probe
+        return Response(status_code=200)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        """vLLM's: the token ids of a prompt, or of chat messages through the
+        chat template, and the context they must fit in."""
+        service.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise ValueError("give either prompt or messages")
+        if body.messages is not None:
+            if len(body.messages) > service.config.max_messages:
+                raise ValueError(f"at most {service.config.max_messages} messages are allowed, "
+                                 f"got {len(body.messages)}")
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            tokens = await service.off_loop(service.tokenize_chat, messages,
+                                            body.add_generation_prompt)
+        else:
+            tokens = await service.off_loop(service.tokenize_text, body.prompt,
+                                            body.add_special_tokens)
+        return {"count": len(tokens), "max_model_len": service.max_model_len, "tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        service.check_model(body.model)
+        service.model_config.check_prompt(body.tokens)  # ids inside the vocabulary
+        return {"prompt": await service.off_loop(service.tokenizer.decode, body.tokens)}
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [model_card()]}
@@ -160,6 +203,8 @@ def build_app(service: GatewayService) -> FastAPI:
         rid = f"cmpl-{uuid.uuid4().hex}"
         render = CompletionRenderer(service, rid, len(token_lists), params[0].n,
                                      body.logprobs or 0, params[0].stop_token_ids)
+        if body.return_token_ids:
+            render.prompts = token_lists
         return await _answer(render, _merge(service, rid, token_lists, params, span), body)
 
     @app.post("/v1/chat/completions")
@@ -190,6 +235,8 @@ def build_app(service: GatewayService) -> FastAPI:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         render = ChatRenderer(service, rid, params.n, top or 0, tool_parser, names,
                               params.stop_token_ids)
+        if body.return_token_ids:
+            render.prompts = [tokens]
         return await _answer(render, _merge(service, rid, [tokens], [params], span), body)
 
     return app

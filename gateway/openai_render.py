@@ -22,6 +22,8 @@ class Renderer:
         ``stop_reason``, as vLLM gives it) from a stop string."""
         self.service = service
         self.stop_token_ids = frozenset(stop_token_ids)
+        # vLLM's return_token_ids: each prompt's ids, and each choice's; None: not asked.
+        self.prompts: list[list[int]] | None = None
         self.rid = rid
         self.created = int(time.time())
         self.num_choices = num_choices
@@ -109,13 +111,20 @@ class CompletionRenderer(Renderer):
                 "text_offset": offsets}
 
     async def stream(self, first, merged, include_usage: bool) -> AsyncIterator[dict]:
+        started: set[int] = set()
         async for p, chunk in self._all(first, merged):
             self._account(p, chunk)
             choice = p * self.n + chunk.index
-            yield self._envelope([{
+            body = {
                 "index": choice, "text": chunk.text, "logprobs": self._logprobs(choice, chunk),
                 "finish_reason": chunk.finish_reason, "stop_reason": self.stop_reason(chunk),
-            }], "text_completion")
+            }
+            if self.prompts is not None:
+                body["token_ids"] = list(chunk.token_ids)
+                if choice not in started:
+                    body["prompt_token_ids"] = self.prompts[p]
+            started.add(choice)
+            yield self._envelope([body], "text_completion")
         if include_usage:
             yield {**self._envelope([], "text_completion"), "usage": self.usage()}
 
@@ -127,6 +136,9 @@ class CompletionRenderer(Renderer):
             c = choices.setdefault(index, {"index": index, "text": "", "logprobs": None,
                                            "finish_reason": None, "stop_reason": None})
             c["text"] += chunk.text
+            if self.prompts is not None:
+                c.setdefault("prompt_token_ids", self.prompts[p])
+                c.setdefault("token_ids", []).extend(chunk.token_ids)
             self._extend(c, self._logprobs(index, chunk), chunk)
         return self._collected(choices, "text_completion")
 
@@ -162,9 +174,12 @@ class ChatRenderer(Renderer):
         async for p, chunk in self._all(first, merged):
             self._account(p, chunk)
             delta: dict[str, Any] = {}
+            envelope: dict[str, Any] = {}
             if chunk.index not in started:
                 started.add(chunk.index)
                 delta["role"] = "assistant"
+                if self.prompts is not None:
+                    envelope["prompt_token_ids"] = self.prompts[0]
             text, reason = chunk.text, chunk.finish_reason
             if self.tool_parser is not None:
                 calls, texts = tools.setdefault(chunk.index, (
@@ -177,10 +192,11 @@ class ChatRenderer(Renderer):
                     reason = "tool_calls"
             if text or not delta:
                 delta["content"] = text
-            yield self._envelope([{
-                "index": chunk.index, "delta": delta, "logprobs": self._logprobs(chunk),
-                "finish_reason": reason, "stop_reason": self.stop_reason(chunk),
-            }], "chat.completion.chunk")
+            body = {"index": chunk.index, "delta": delta, "logprobs": self._logprobs(chunk),
+                    "finish_reason": reason, "stop_reason": self.stop_reason(chunk)}
+            if self.prompts is not None:
+                body["token_ids"] = list(chunk.token_ids)
+            yield {**self._envelope([body], "chat.completion.chunk"), **envelope}
         if include_usage:
             yield {**self._envelope([], "chat.completion.chunk"), "usage": self.usage()}
 
@@ -193,6 +209,8 @@ class ChatRenderer(Renderer):
                 "logprobs": None, "finish_reason": None, "stop_reason": None,
             })
             c["message"]["content"] += chunk.text
+            if self.prompts is not None:
+                c.setdefault("token_ids", []).extend(chunk.token_ids)
             self._extend(c, self._logprobs(chunk), chunk)
         if self.tool_parser is not None:
             for c in choices.values():
@@ -203,4 +221,7 @@ class ChatRenderer(Renderer):
                     message["tool_calls"] = calls
                     if c["finish_reason"] == "stop":
                         c["finish_reason"] = "tool_calls"
-        return self._collected(choices, "chat.completion")
+        body = self._collected(choices, "chat.completion")
+        if self.prompts is not None:
+            body["prompt_token_ids"] = self.prompts[0]
+        return body

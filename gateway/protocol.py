@@ -55,6 +55,8 @@ class _Common(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's: the completion's token ids (and the prompt's) in the response.
+    return_token_ids: bool = False
 
     def sampling(self, max_tokens: int, logprobs: int | None,
                  prompt_logprobs: int | None = None,
@@ -132,3 +134,22 @@ class ChatCompletionRequest(_Common):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages through the template."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    add_special_tokens: bool = True
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[StrictInt]

@@ -24,7 +24,8 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 # Paths that need the API key when the gateway has keys.
-KEYED_PATHS = ("/v1/", "/metrics", "/openapi.json", "/docs", "/redoc")
+KEYED_PATHS = ("/v1/", "/metrics", "/openapi.json", "/docs", "/redoc", "/tokenize",
+               "/detokenize")
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 

@@ -101,11 +101,14 @@ class GatewayService:
 
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            self._check_chars(len(prompt))
-            return self.tokenizer.encode(prompt)
+            return self.tokenize_text(prompt)
         return list(prompt)  # checked against the vocabulary by check_request
+
+    def tokenize_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if not text:
+            raise ValueError("prompt must not be empty")
+        self._check_chars(len(text))
+        return self.tokenizer.encode(text, add_special_tokens)
 
     def tokenize_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                       tools: list[dict] | None = None) -> list[int]:

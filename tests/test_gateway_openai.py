@@ -353,3 +353,42 @@ def test_gateway_metrics(client, gateway):
     assert (metric(text, "vllm:e2e_request_latency_seconds_count") or 0) >= 1
     assert (metric(text, "vllm:time_to_first_token_seconds_count") or 0) >= 1
     assert metric(text, "vllm:num_requests_running") == 0
+
+
+def test_vllms_tokenize_detokenize_version_and_ping(gateway, tokenizer):
+    with gateway.http() as http:
+        out = http.post("/tokenize", json={"prompt": PROMPT}).json()
+        assert out["tokens"] == tokenizer.encode(PROMPT) and out["count"] == len(out["tokens"])
+        assert out["max_model_len"] == 1024
+        bare = http.post("/tokenize", json={"prompt": PROMPT, "add_special_tokens": False})
+        assert bare.json()["tokens"] == tokenizer.encode(PROMPT, add_special_tokens=False)
+        chat = http.post("/tokenize", json={"messages": MESSAGES}).json()
+        assert chat["tokens"] == tokenizer.encode_chat(MESSAGES)
+        assert http.post("/detokenize", json={"tokens": out["tokens"]}).json() == {
+            "prompt": tokenizer.decode(out["tokens"])}
+        for path, body in (("/tokenize", {}), ("/tokenize", {"prompt": "a", "messages": MESSAGES}),
+                           ("/detokenize", {"tokens": [10**9]}),
+                           ("/detokenize", {"tokens": [True]})):
+            r = http.post(path, json=body)
+            assert r.status_code == 400 and "error" in r.json(), (path, body, r.text)
+        assert http.get("/version").json()["version"]
+        assert http.get("/ping").status_code == 200 and http.post("/ping").status_code == 200
+
+
+def test_return_token_ids(client, tokenizer):
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    out = client.completions.create(model=SERVED, prompt=[PROMPT, "a b"], max_tokens=5,
+                                    temperature=0, extra_body=extra)
+    for choice, prompt in zip(out.choices, [PROMPT, "a b"]):
+        assert choice.prompt_token_ids == tokenizer.encode(prompt)
+        assert len(choice.token_ids) == 5 and tokenizer.decode(choice.token_ids) == choice.text
+    chunks = list(client.completions.create(model=SERVED, prompt=PROMPT, max_tokens=5,
+                                            temperature=0, stream=True, extra_body=extra))
+    assert chunks[0].choices[0].prompt_token_ids == tokenizer.encode(PROMPT)
+    assert [t for c in chunks for t in c.choices[0].token_ids] == out.choices[0].token_ids
+    chat = client.chat.completions.create(model=SERVED, messages=MESSAGES, max_tokens=5,
+                                          temperature=0, extra_body=extra)
+    assert chat.prompt_token_ids == tokenizer.encode_chat(MESSAGES)
+    assert tokenizer.decode(chat.choices[0].token_ids) == chat.choices[0].message.content
+    plain = client.completions.create(model=SERVED, prompt=PROMPT, max_tokens=2, **GREEDY)
+    assert getattr(plain.choices[0], "token_ids", None) is None

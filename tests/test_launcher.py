@@ -79,6 +79,15 @@ def _two_free_ports() -> int:
     raise AssertionError("no two free ports in a row")
 
 
+def _kill_all(proc: subprocess.Popen, kids: list[int]) -> None:
+    """Whatever a test left running: the launcher and its children."""
+    for pid in kids:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    proc.kill()
+    proc.stdout.close()
+
+
 def _wait_gone(pids: list[int], timeout: float = 30.0) -> list[int]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and any(_alive(p) for p in pids):
@@ -98,11 +107,7 @@ def test_the_cluster_dies_with_its_launcher(how):
             assert proc.returncode == 0  # stopped as with Ctrl-C, not killed by the signal
         assert _wait_gone(kids) == [], "processes outlived their launcher"
     finally:
-        for pid in kids:
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
-        proc.kill()
-        proc.stdout.close()
+        _kill_all(proc, kids)
 
 
 def _cmdline(pid: int) -> str:
@@ -128,11 +133,7 @@ def test_a_dead_worker_is_reported_and_the_rest_serve_on():
         assert proc.wait(timeout=30) == 1
         assert _wait_gone(kids) == [], "processes outlived their launcher"
     finally:
-        for pid in kids:
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
-        proc.kill()
-        proc.stdout.close()
+        _kill_all(proc, kids)
 
 
 def test_metrics_port_gives_the_decode_workers_speculation_counters():

@@ -186,8 +186,8 @@ def build_app(service: GatewayService) -> FastAPI:
 
     async def _completions(body: CompletionRequest, span):
         service.check_model(body.model)
-        if body.echo or body.suffix or (body.best_of or 1) > 1:
-            raise ValueError("echo, suffix and best_of are not supported")
+        if body.suffix or (body.best_of or 1) > 1:
+            raise ValueError("suffix and best_of are not supported")
         prompts = _prompts(body.prompt)
         if len(prompts) > service.config.max_prompts:
             raise ValueError(f"at most {service.config.max_prompts} prompts are allowed in one "
@@ -195,9 +195,11 @@ def build_app(service: GatewayService) -> FastAPI:
         with _child(span, "gateway.tokenize"):
             token_lists = [await service.off_loop(service.tokenize_prompt, p) for p in prompts]
         constraint = constraint_of(body)
+        # echo with logprobs: the prompt's tokens get theirs too.
+        prompt_logprobs = body.logprobs if body.echo else None
         params = [body.sampling(
             body.max_tokens if body.max_tokens is not None else service.default_max_tokens(t),
-            body.logprobs, structured_outputs=constraint) for t in token_lists]
+            body.logprobs, prompt_logprobs, structured_outputs=constraint) for t in token_lists]
         for t, p in zip(token_lists, params):
             service.check_request(t, p)
         rid = f"cmpl-{uuid.uuid4().hex}"
@@ -205,6 +207,9 @@ def build_app(service: GatewayService) -> FastAPI:
                                      body.logprobs or 0, params[0].stop_token_ids)
         if body.return_token_ids:
             render.prompts = token_lists
+        if body.echo:
+            render.echo = [(p if isinstance(p, str) else service.tokenizer.decode(p), t)
+                           for p, t in zip(prompts, token_lists)]
         return await _answer(render, _merge(service, rid, token_lists, params, span), body)
 
     @app.post("/v1/chat/completions")

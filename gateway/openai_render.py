@@ -92,6 +92,39 @@ class CompletionRenderer(Renderer):
         self.n = n
         self.top_n = top_n
         self.offsets: dict[int, int] = {}
+        # ``echo``: each prompt's text and ids, put before its completions
+        # (with their logprobs, when asked: the first token's is None).
+        self.echo: list[tuple[str, list[int]]] | None = None
+        self._prompt_logprobs: dict[int, list] = {}  # prompt -> its tokens' logprobs
+        self._started: set[int] = set()
+
+    def _open(self, p: int, choice: int, chunk: Chunk) -> tuple[str, dict | None, bool]:
+        """A chunk's text and logprobs, the prompt's before them in the
+        first chunk of each choice under ``echo``; and whether it is the
+        choice's first chunk."""
+        if chunk.prompt_logprobs:
+            self._prompt_logprobs[p] = list(chunk.prompt_logprobs)
+        first = choice not in self._started
+        self._started.add(choice)
+        if self.echo is None or not first:
+            return chunk.text, self._logprobs(choice, chunk), first
+        text, ids = self.echo[p]
+        if not chunk.logprobs:
+            return text + chunk.text, None, first
+        head: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for i, token in enumerate(ids):
+            piece = self.token_text(token)
+            head["text_offset"].append(self.offsets.get(choice, 0))
+            self.offsets[choice] = head["text_offset"][-1] + len(piece)
+            head["tokens"].append(piece)
+            lp = self._prompt_logprobs.get(p, [])[i - 1] if i else None
+            head["token_logprobs"].append(None if lp is None else lp.logprob)
+            head["top_logprobs"].append(None if lp is None else {
+                self.token_text(t): v for t, v in zip(lp.top_token_ids, lp.top_logprobs)})
+        rest = self._logprobs(choice, chunk)
+        for key, values in rest.items():
+            head[key].extend(values)
+        return text + chunk.text, head, first
 
     def _logprobs(self, choice: int, chunk: Chunk) -> dict | None:
         if not chunk.logprobs:
@@ -111,19 +144,18 @@ class CompletionRenderer(Renderer):
                 "text_offset": offsets}
 
     async def stream(self, first, merged, include_usage: bool) -> AsyncIterator[dict]:
-        started: set[int] = set()
         async for p, chunk in self._all(first, merged):
             self._account(p, chunk)
             choice = p * self.n + chunk.index
+            text, logprobs, opens = self._open(p, choice, chunk)
             body = {
-                "index": choice, "text": chunk.text, "logprobs": self._logprobs(choice, chunk),
+                "index": choice, "text": text, "logprobs": logprobs,
                 "finish_reason": chunk.finish_reason, "stop_reason": self.stop_reason(chunk),
             }
             if self.prompts is not None:
                 body["token_ids"] = list(chunk.token_ids)
-                if choice not in started:
+                if opens:
                     body["prompt_token_ids"] = self.prompts[p]
-            started.add(choice)
             yield self._envelope([body], "text_completion")
         if include_usage:
             yield {**self._envelope([], "text_completion"), "usage": self.usage()}
@@ -135,11 +167,12 @@ class CompletionRenderer(Renderer):
             index = p * self.n + chunk.index
             c = choices.setdefault(index, {"index": index, "text": "", "logprobs": None,
                                            "finish_reason": None, "stop_reason": None})
-            c["text"] += chunk.text
+            text, logprobs, _ = self._open(p, index, chunk)
+            c["text"] += text
             if self.prompts is not None:
                 c.setdefault("prompt_token_ids", self.prompts[p])
                 c.setdefault("token_ids", []).extend(chunk.token_ids)
-            self._extend(c, self._logprobs(index, chunk), chunk)
+            self._extend(c, logprobs, chunk)
         return self._collected(choices, "text_completion")
 
 

@@ -64,7 +64,7 @@ COMPLETION_CASES = {
     "prompt_type": ({"prompt": {"a": 1}}, "prompt"),
     "token_out_of_vocab": ({"prompt": [1, 99999]}, "vocabulary"),
     "negative_token": ({"prompt": [1, -2]}, "prompt"),
-    "echo": ({"echo": True}, "echo"),
+    "suffix": ({"suffix": "the end"}, "suffix"),
     "best_of": ({"best_of": 3}, "best_of"),
     # Limits (gateway/config.py), checked before anything is allocated.
     "n_over_max_n": ({"n": 17}, "n must be at most 16"),

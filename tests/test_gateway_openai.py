@@ -392,3 +392,26 @@ def test_return_token_ids(client, tokenizer):
     assert tokenizer.decode(chat.choices[0].token_ids) == chat.choices[0].message.content
     plain = client.completions.create(model=SERVED, prompt=PROMPT, max_tokens=2, **GREEDY)
     assert getattr(plain.choices[0], "token_ids", None) is None
+
+
+def test_echo_puts_the_prompt_and_its_logprobs_first(client, tokenizer):
+    plain = client.completions.create(model=SERVED, prompt=PROMPT, max_tokens=4, **GREEDY)
+    echoed = client.completions.create(model=SERVED, prompt=PROMPT, max_tokens=4, echo=True,
+                                       n=2, **GREEDY)
+    assert [c.text for c in echoed.choices] == [PROMPT + plain.choices[0].text] * 2
+    streamed = client.completions.create(model=SERVED, prompt=PROMPT, max_tokens=4, echo=True,
+                                         stream=True, **GREEDY)
+    assert "".join(c.choices[0].text for c in streamed) == PROMPT + plain.choices[0].text
+    # lm-eval-harness's use: the prompt's logprobs, the first token's None.
+    ids = tokenizer.encode(PROMPT)
+    scored = client.completions.create(model=SERVED, prompt=PROMPT, max_tokens=1, echo=True,
+                                       logprobs=1, **GREEDY).choices[0].logprobs
+    assert len(scored.tokens) == len(ids) + 1
+    assert scored.token_logprobs[0] is None and scored.top_logprobs[0] is None
+    assert all(v <= 0 for v in scored.token_logprobs[1:])
+    assert all(1 <= len(top) <= 2 for top in scored.top_logprobs[1:])
+    assert scored.text_offset == sorted(scored.text_offset)
+    by_ids = client.completions.create(model=SERVED, prompt=ids, max_tokens=1, echo=True,
+                                       logprobs=1, **GREEDY).choices[0].logprobs
+    assert by_ids.token_logprobs[0] is None
+    assert by_ids.token_logprobs[1:] == pytest.approx(scored.token_logprobs[1:], rel=1e-5)

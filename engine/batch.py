@@ -73,6 +73,8 @@ class CachedRequestState(TokenCounts):
     num_prompt_logprobs: int  # prompt positions with a logprob entry (the first is None)
     generator: Any = None  # torch.Generator of a seeded request, made when first sampled
     bad_word_ids: list[list[int]] = field(default_factory=list)  # params.bad_words, tokenized
+    # The sampler's (key, tensor) of what logit_bias and allowed_token_ids add to its logits.
+    logit_offsets: Any = None
 
 
 @dataclass

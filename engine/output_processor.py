@@ -18,6 +18,9 @@ class _Completion:
     detok: IncrementalDetokenizer | None
     num_tokens_sent: int = 0
     num_decoded: int = 0  # output tokens fed to the detokenizer
+    # The logprobs of the first ``num_summed`` output tokens, summed as they come.
+    cumulative_logprob: float = 0.0
+    num_summed: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -144,7 +147,10 @@ class OutputProcessor:
             logprobs = cumulative = None
             if seq.params.logprobs is not None:
                 logprobs = list(seq.logprobs[: len(token_ids)])
-                cumulative = sum(entry.get(t, 0.0) for t, entry in zip(token_ids, logprobs))
+                for t, entry in zip(token_ids[comp.num_summed:], logprobs[comp.num_summed:]):
+                    comp.cumulative_logprob += entry.get(t, 0.0)
+                comp.num_summed = len(logprobs)
+                cumulative = comp.cumulative_logprob
             outs.append(CompletionOutput(
                 index=seq.index, text=text, token_ids=token_ids,  # a fresh slice already
                 finish_reason=comp.finish_reason, stop_reason=comp.stop_reason,

@@ -193,16 +193,8 @@ def _apply_penalties_and_bans(logits: torch.Tensor, requests: list[Request]) -> 
             out = torch.tensor(request.output_token_ids, dtype=torch.long, device=logits.device)
             counts = torch.bincount(out, minlength=vocab)[:vocab].to(logits.dtype)
             row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
-        if params.logit_bias:
-            biased = [(t, b) for t, b in params.logit_bias.items() if t < vocab]
-            if biased:
-                ids, biases = zip(*biased, strict=True)
-                row[list(ids)] += torch.tensor(biases, dtype=logits.dtype, device=logits.device)
-        if params.allowed_token_ids is not None:
-            allowed = torch.full_like(row, float("-inf"))
-            keep = [t for t in params.allowed_token_ids if t < vocab]
-            allowed[keep] = 0.0
-            row += allowed
+        if params.logit_bias or params.allowed_token_ids is not None:
+            row += _logit_offsets(request, row)
         if request.bad_word_ids:
             row[_completing(request.bad_word_ids, request.output_token_ids, vocab)] = float("-inf")
         if request.num_output_tokens < params.min_tokens:
@@ -213,6 +205,28 @@ def _apply_penalties_and_bans(logits: torch.Tensor, requests: list[Request]) -> 
             if banned:
                 row[banned] = float("-inf")
     return logits
+
+
+def _logit_offsets(request, row: torch.Tensor) -> torch.Tensor:
+    """What ``logit_bias`` and ``allowed_token_ids`` add to a row of logits
+    (-inf for a token not allowed): built once per request and kept on it,
+    not from the parameters' lists at every step."""
+    key = (row.shape[-1], row.dtype, row.device)
+    cached = getattr(request, "logit_offsets", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    vocab, params = row.shape[-1], request.params
+    offsets = torch.zeros_like(row)
+    if params.logit_bias:
+        for token, bias in params.logit_bias.items():
+            if token < vocab:
+                offsets[token] = bias
+    if params.allowed_token_ids is not None:
+        allowed = torch.full_like(row, float("-inf"))
+        allowed[[t for t in params.allowed_token_ids if t < vocab]] = 0.0
+        offsets += allowed
+    request.logit_offsets = (key, offsets)
+    return offsets
 
 
 def _completing(words: list[list[int]], output: list[int], vocab: int) -> list[int]:

@@ -96,9 +96,10 @@ class CompletionRenderer(Renderer):
         # (with their logprobs, when asked: the first token's is None).
         self.echo: list[tuple[str, list[int]]] | None = None
         self._prompt_logprobs: dict[int, list] = {}  # prompt -> its tokens' logprobs
+        self._heads: dict[int, tuple[dict, int]] = {}  # prompt -> its echoed logprobs
         self._started: set[int] = set()
 
-    def _open(self, p: int, choice: int, chunk: Chunk) -> tuple[str, dict | None, bool]:
+    async def _open(self, p: int, choice: int, chunk: Chunk) -> tuple[str, dict | None, bool]:
         """A chunk's text and logprobs, the prompt's before them in the
         first chunk of each choice under ``echo``; and whether it is the
         choice's first chunk."""
@@ -108,23 +109,34 @@ class CompletionRenderer(Renderer):
         self._started.add(choice)
         if self.echo is None or not first:
             return chunk.text, self._logprobs(choice, chunk), first
-        text, ids = self.echo[p]
+        text, _ = self.echo[p]
         if not chunk.logprobs:
             return text + chunk.text, None, first
+        if p not in self._heads:  # once per prompt, off the event loop: it can be long
+            self._heads[p] = await self.service.off_loop(self._echo_head, p)
+        head, end = self._heads[p]
+        head = {key: list(values) for key, values in head.items()}
+        self.offsets[choice] = end
+        for key, values in self._logprobs(choice, chunk).items():
+            head[key].extend(values)
+        return text + chunk.text, head, first
+
+    def _echo_head(self, p: int) -> tuple[dict, int]:
+        """The prompt's tokens as the first logprobs of its choices (the
+        first token's logprob None), and the text offset after them."""
+        _, ids = self.echo[p]
+        scored = [None, *self._prompt_logprobs.get(p, [])]
         head: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for i, token in enumerate(ids):
+        offset = 0
+        for token, lp in zip(ids, scored + [None] * (len(ids) - len(scored))):
             piece = self.token_text(token)
-            head["text_offset"].append(self.offsets.get(choice, 0))
-            self.offsets[choice] = head["text_offset"][-1] + len(piece)
+            head["text_offset"].append(offset)
+            offset += len(piece)
             head["tokens"].append(piece)
-            lp = self._prompt_logprobs.get(p, [])[i - 1] if i else None
             head["token_logprobs"].append(None if lp is None else lp.logprob)
             head["top_logprobs"].append(None if lp is None else {
                 self.token_text(t): v for t, v in zip(lp.top_token_ids, lp.top_logprobs)})
-        rest = self._logprobs(choice, chunk)
-        for key, values in rest.items():
-            head[key].extend(values)
-        return text + chunk.text, head, first
+        return head, offset
 
     def _logprobs(self, choice: int, chunk: Chunk) -> dict | None:
         if not chunk.logprobs:
@@ -147,7 +159,7 @@ class CompletionRenderer(Renderer):
         async for p, chunk in self._all(first, merged):
             self._account(p, chunk)
             choice = p * self.n + chunk.index
-            text, logprobs, opens = self._open(p, choice, chunk)
+            text, logprobs, opens = await self._open(p, choice, chunk)
             body = {
                 "index": choice, "text": text, "logprobs": logprobs,
                 "finish_reason": chunk.finish_reason, "stop_reason": self.stop_reason(chunk),
@@ -167,7 +179,7 @@ class CompletionRenderer(Renderer):
             index = p * self.n + chunk.index
             c = choices.setdefault(index, {"index": index, "text": "", "logprobs": None,
                                            "finish_reason": None, "stop_reason": None})
-            text, logprobs, _ = self._open(p, index, chunk)
+            text, logprobs, _ = await self._open(p, index, chunk)
             c["text"] += text
             if self.prompts is not None:
                 c.setdefault("prompt_token_ids", self.prompts[p])

@@ -413,5 +413,10 @@ def test_echo_puts_the_prompt_and_its_logprobs_first(client, tokenizer):
     assert scored.text_offset == sorted(scored.text_offset)
     by_ids = client.completions.create(model=SERVED, prompt=ids, max_tokens=1, echo=True,
                                        logprobs=1, **GREEDY).choices[0].logprobs
+    both = client.completions.create(model=SERVED, prompt=PROMPT, max_tokens=1, echo=True,
+                                     logprobs=1, n=2, **GREEDY).choices
+    for choice in both:  # each choice starts with the same prompt logprobs
+        assert choice.logprobs.tokens[:len(ids)] == scored.tokens[:len(ids)]
+        assert choice.logprobs.text_offset[:len(ids)] == scored.text_offset[:len(ids)]
     assert by_ids.token_logprobs[0] is None
     assert by_ids.token_logprobs[1:] == pytest.approx(scored.token_logprobs[1:], rel=1e-5)

@@ -335,3 +335,21 @@ def test_prompt_logprobs_with_n_and_a_one_token_prompt(engine, model):
                         ([PROMPT[0]], greedy(prompt_logprobs=1))])
     _check_prompt_logprobs(model[1], PROMPT, outs[0].prompt_logprobs, 1)
     assert outs[1].prompt_logprobs == [None]
+
+
+def test_logit_bias_and_allowed_tokens_are_built_once_per_request():
+    from types import SimpleNamespace
+
+    from engine.sampler import _apply_penalties_and_bans
+
+    params = SamplingParams(logit_bias={1: 5.0, 3: -2.0}, allowed_token_ids=[1, 2, 3])
+    request = SimpleNamespace(params=params, bad_word_ids=[], num_output_tokens=0,
+                              token_ids=[], output_token_ids=[])
+    logits = torch.zeros(2, 6)
+    first = _apply_penalties_and_bans(logits, [request, request])
+    inf = float("-inf")
+    assert first[0].tolist() == [inf, 5.0, 0.0, -2.0, inf, inf] == first[1].tolist()
+    kept = request.logit_offsets[1]
+    again = _apply_penalties_and_bans(logits, [request])
+    assert request.logit_offsets[1] is kept  # not rebuilt from the lists
+    assert again[0].tolist() == first[0].tolist()

@@ -18,11 +18,9 @@ What a request's blocks go through, by caller::
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
 from engine.completions import split_completions
 from engine.config import EngineConfig
@@ -32,8 +30,9 @@ from engine.layer_streams import LayerKVSink, LayerStreams
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
 from engine.outputs import EngineStats, KVProgress, RequestOutput
+from engine.prompts import Prompt, bad_word_ids, tokenize, with_max_tokens
 from engine.request import Request, RequestStatus
-from engine.request_checks import check_request, prompt_token_ids
+from engine.request_checks import check_request
 from engine.resolved import eos_token_ids, resolve_model
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -91,7 +90,7 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str,
-        prompt: str | Sequence[int],
+        prompt: Prompt,
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         *,
@@ -110,7 +109,7 @@ class LLMEngine:
         not output again.
         """
         text, token_ids = self.tokenize(prompt)
-        params = self.resolve_max_tokens(token_ids, params or SamplingParams())
+        params = with_max_tokens(params or SamplingParams(), len(token_ids), self.max_model_len)
         self.validate(token_ids, params)
         if (hold_blocks or output_token_ids) and params.n != 1:
             raise ValueError("a request that holds its blocks or resumes is one sequence (n=1)")
@@ -312,33 +311,15 @@ class LLMEngine:
         what KV transfer moves. Use only with ids this engine handed out."""
         return self.runner.kv_blocks
 
-    def tokenize(self, prompt: str | Sequence[int] | Mapping[str, Any],
-                 ) -> tuple[str | None, list[int]]:
-        """The prompt's text (None for token ids) and token ids. A prompt is
-        a string, token ids, or vLLM's ``{"prompt": text}`` /
-        ``{"prompt_token_ids": ids}``."""
-        if isinstance(prompt, Mapping):
-            prompt = _prompt_of(prompt)
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass prompt token ids")
-            return prompt, self.tokenizer.encode(prompt)
-        return None, prompt_token_ids(prompt)
-
-    def resolve_max_tokens(self, token_ids: list[int], params: SamplingParams) -> SamplingParams:
-        """``params`` with ``max_tokens=None`` (as many as the context has
-        room for after the prompt, as in vLLM) made a number."""
-        if params.max_tokens is not None:
-            return params
-        return dataclasses.replace(params, max_tokens=max(1, self.max_model_len - len(token_ids)))
+    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        """The prompt's text (None for token ids) and token ids (engine/prompts.py)."""
+        return tokenize(self.tokenizer, prompt)
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
         """ValueError unless this engine can serve the request (the gateway
         runs the same ``check_request``; this adds what only the engine
         knows: whether its cache can ever hold the request)."""
-        params = self.resolve_max_tokens(token_ids, params)
+        params = with_max_tokens(params, len(token_ids), self.max_model_len)
         check_request(token_ids, params, self.model_config, self.max_model_len,
                       self.config.scheduler.max_n)
         if params.structured_outputs is not None and self.tokenizer is None:
@@ -363,24 +344,12 @@ class LLMEngine:
             for i, (seq_id, seq_params) in enumerate(completions)
         ]
         if params.bad_words:
-            words = self._bad_word_ids(params.bad_words)
+            words = bad_word_ids(self.tokenizer, params.bad_words)
             for seq in seqs:
                 seq.bad_word_ids = words
         # The first computes the prompt; the others fork from it (Scheduler._fork_children).
         seqs[0].pending_children = seqs[1:]
         return seqs
-
-    def _bad_word_ids(self, words: list[str]) -> list[list[int]]:
-        """Each word's tokens as it starts the text and after a space (vLLM's two)."""
-        if self.tokenizer is None:
-            raise ValueError("bad_words need the model's tokenizer (tokenizer.json)")
-        out: list[list[int]] = []
-        for word in words:
-            for text in (word.lstrip(), " " + word.lstrip()):
-                ids = self.tokenizer.encode(text, add_special_tokens=False)
-                if ids and ids not in out:
-                    out.append(ids)
-        return out
 
     # ---- one step --------------------------------------------------------------
 
@@ -424,14 +393,3 @@ class LLMEngine:
         step: its tensor-parallel group broke (EngineUnusable)."""
         self.runner.tp.on_broken.append(callback)
 
-
-def _prompt_of(prompt: Mapping[str, Any]) -> str | list[int]:
-    """The text or token ids of a vLLM-style prompt dict (``TextPrompt`` /
-    ``TokensPrompt``); ValueError for any other shape."""
-    keys = set(prompt)
-    if keys == {"prompt"} and isinstance(prompt["prompt"], str):
-        return prompt["prompt"]
-    if keys == {"prompt_token_ids"}:
-        return prompt_token_ids(prompt["prompt_token_ids"])
-    raise ValueError("a prompt dict must be {'prompt': text} or {'prompt_token_ids': ids}, "
-                     f"got keys {sorted(keys)}")

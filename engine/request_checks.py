@@ -9,8 +9,6 @@ A failure is a ValueError, raised before anything is queued or allocated.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from engine.config import ModelConfig
 from engine.sampling_params import SamplingParams
 
@@ -41,17 +39,3 @@ def check_request(token_ids: list[int], params: SamplingParams, model: ModelConf
         if bad:
             raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary "
                              f"[0, {model.vocab_size})")
-
-
-def prompt_token_ids(prompt: object) -> list[int]:
-    """A prompt given as token ids, as a list; ValueError if it is not one."""
-    if not isinstance(prompt, Sequence) or isinstance(prompt, str):
-        # e.g. LLM.generate([1.5]): a TypeError otherwise
-        raise ValueError(
-            f"a prompt must be a string or a list of integer token ids, "
-            f"got {type(prompt).__name__}"
-        )
-    token_ids = list(prompt)
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
-        raise ValueError("prompt token ids must be integers")
-    return token_ids

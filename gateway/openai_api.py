@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.metadata
 import json
 import logging
 import uuid
@@ -25,28 +24,20 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.fan_in import FanIn
 from gateway.openai_render import ChatRenderer, CompletionRenderer
-from gateway.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
-)
+from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.request_guard import RequestGuard, error_body
 from gateway.sequence import Chunk
 from gateway.service import GatewayService, ModelNotFound, request_span
 from gateway.structured import InvalidField, build, constraint_of
 from gateway.tool_parsers import Named, Required, make_parser
 from gateway.tools import chat_messages, parse_tool_choice, parse_tools, tool_constraint
+from gateway.vllm_routes import TANDEM_VERSION, add_vllm_routes
 from rpc.errors import Draining, Overloaded, TandemError, Unavailable
 from rpc.tracing import context_from_headers, end_span, tracer
 
 logger = logging.getLogger("gateway")
 
 RETRY_AFTER_S = "1"
-try:
-    TANDEM_VERSION = importlib.metadata.version("tandem-serve")  # pyproject.toml's
-except importlib.metadata.PackageNotFoundError:  # run from a checkout that was not installed
-    TANDEM_VERSION = "unknown"
 _tracer = tracer("tandem.gateway")
 
 
@@ -134,42 +125,11 @@ def build_app(service: GatewayService) -> FastAPI:
     async def metrics():
         return Response(service.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    add_vllm_routes(app, service)
+
     def model_card() -> dict:
         return {"id": service.model_name, "object": "model", "created": service.created,
                 "owned_by": "tandem", "max_model_len": service.max_model_len}
-
-    @app.get("/version")
-    async def version():
-        return {"version": TANDEM_VERSION}
-
-    @app.api_route("/ping", methods=["GET", "POST"])
-    async def ping():  # vLLM's (and SageMaker's) liveness probe
-        return Response(status_code=200)
-
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest):
-        """vLLM's: the token ids of a prompt, or of chat messages through the
-        chat template, and the context they must fit in."""
-        service.check_model(body.model)
-        if (body.prompt is None) == (body.messages is None):
-            raise ValueError("give either prompt or messages")
-        if body.messages is not None:
-            if len(body.messages) > service.config.max_messages:
-                raise ValueError(f"at most {service.config.max_messages} messages are allowed, "
-                                 f"got {len(body.messages)}")
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            tokens = await service.off_loop(service.tokenize_chat, messages,
-                                            body.add_generation_prompt)
-        else:
-            tokens = await service.off_loop(service.tokenize_text, body.prompt,
-                                            body.add_special_tokens)
-        return {"count": len(tokens), "max_model_len": service.max_model_len, "tokens": tokens}
-
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest):
-        service.check_model(body.model)
-        service.model_config.check_prompt(body.tokens)  # ids inside the vocabulary
-        return {"prompt": await service.off_loop(service.tokenizer.decode, body.tokens)}
 
     @app.get("/v1/models")
     async def models():
@@ -220,9 +180,7 @@ def build_app(service: GatewayService) -> FastAPI:
         service.check_model(body.model)
         if not body.messages:
             raise InvalidField("messages", "messages must be a non-empty list")
-        if len(body.messages) > service.config.max_messages:
-            raise ValueError(f"at most {service.config.max_messages} messages are allowed, "
-                             f"got {len(body.messages)}")
+        service.check_messages(len(body.messages))
         constraint, tool_parser, names, messages, tools = _chat_tools(service, body)
         with _child(span, "gateway.tokenize"):
             tokens = await service.off_loop(service.tokenize_chat, messages,

@@ -134,6 +134,12 @@ class GatewayService:
         threads: a 10 MB prompt must not stall every other request's stream."""
         return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
 
+    def check_messages(self, count: int) -> None:
+        """ValueError for more chat messages than ``--max-messages``."""
+        if count > self.config.max_messages:
+            raise ValueError(f"at most {self.config.max_messages} messages are allowed, "
+                             f"got {count}")
+
     def check_request(self, prompt: list[int], params: SamplingParams) -> None:
         """ValueError (a 400) for a request over a limit or the context: the
         engine's own check (engine/request_checks.py), then the gateway's limits."""

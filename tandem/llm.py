@@ -20,10 +20,8 @@ from engine.config import (
 )
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
+from engine.prompts import Prompt
 from engine.sampling_params import SamplingParams
-
-# Text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids}.
-Prompt = str | Sequence[int] | Mapping[str, Any]
 
 # vLLM's other names for dtypes.
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}

@@ -11,6 +11,7 @@ import pytest
 import torch
 from engine_fixtures import VOCAB, assert_all_free, tiny_llm, tiny_with_tokenizer
 
+from engine.prompts import bad_word_ids
 from tandem import LLM, SamplingParams
 from tandem.llm import engine_config
 
@@ -201,10 +202,10 @@ def test_logit_bias_allowed_token_ids_and_bad_words(llm):
     # A one-token word is banned everywhere; a longer one only where its
     # other tokens end the output.
     word = tok.decode(base[:1])
-    assert [base[0]] in llm.engine._bad_word_ids([word])
+    assert [base[0]] in bad_word_ids(tok, [word])
     assert one(llm, PROMPT, greedy(bad_words=[word])).outputs[0].token_ids[0] != base[0]
     pair = tok.decode(base[1:3])
-    assert base[1:3] in llm.engine._bad_word_ids([pair])
+    assert base[1:3] in bad_word_ids(tok, [pair])
     out = one(llm, PROMPT, greedy(bad_words=[pair])).outputs[0].token_ids
     assert out[:2] == base[:2] and out[2] != base[2]
 

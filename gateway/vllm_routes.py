@@ -1,0 +1,49 @@
+"""vLLM's routes beside the OpenAI API, for clients and probes written
+against vLLM's server: ``/version``, ``/ping``, ``/tokenize``, ``/detokenize``."""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+from fastapi import FastAPI, Response
+
+from gateway.protocol import DetokenizeRequest, TokenizeRequest
+from gateway.service import GatewayService
+
+try:
+    TANDEM_VERSION = importlib.metadata.version("tandem-serve")  # pyproject.toml's
+except importlib.metadata.PackageNotFoundError:  # run from a checkout that was not installed
+    TANDEM_VERSION = "unknown"
+
+
+def add_vllm_routes(app: FastAPI, service: GatewayService) -> None:
+    @app.get("/version")
+    async def version():
+        return {"version": TANDEM_VERSION}
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping():  # vLLM's (and SageMaker's) liveness probe
+        return Response(status_code=200)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        """The token ids of a prompt, or of chat messages through the chat
+        template, and the context they must fit in."""
+        service.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise ValueError("give either prompt or messages")
+        if body.messages is not None:
+            service.check_messages(len(body.messages))
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            tokens = await service.off_loop(service.tokenize_chat, messages,
+                                            body.add_generation_prompt)
+        else:
+            tokens = await service.off_loop(service.tokenize_text, body.prompt,
+                                            body.add_special_tokens)
+        return {"count": len(tokens), "max_model_len": service.max_model_len, "tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        service.check_model(body.model)
+        service.model_config.check_prompt(body.tokens)  # ids inside the vocabulary
+        return {"prompt": await service.off_loop(service.tokenizer.decode, body.tokens)}

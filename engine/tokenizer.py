@@ -133,6 +133,20 @@ def _up_to_final_message(text: str, content: str) -> str:
     return text[: at + len(kept)] if text.startswith(kept, at) else text[: at + len(core)]
 
 
+def content_text(content: Any) -> str:
+    """A chat message's content as text: a string, None (""), or OpenAI's
+    list of text parts joined; ValueError for any other part (an image)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") != "text" \
+                or not isinstance(part.get("text"), str):
+            raise ValueError("only text parts are supported in a message's content")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
 def _check_messages(messages: Any) -> None:
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list")

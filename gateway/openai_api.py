@@ -163,13 +163,10 @@ def build_app(service: GatewayService) -> FastAPI:
         for t, p in zip(token_lists, params):
             service.check_request(t, p)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        render = CompletionRenderer(service, rid, len(token_lists), params[0].n,
-                                     body.logprobs or 0, params[0].stop_token_ids)
-        if body.return_token_ids:
-            render.prompts = token_lists
-        if body.echo:
-            render.echo = [(p if isinstance(p, str) else service.tokenizer.decode(p), t)
-                           for p, t in zip(prompts, token_lists)]
+        echo = [p if isinstance(p, str) else await service.off_loop(service.tokenizer.decode, p)
+                for p in prompts] if body.echo else None
+        render = CompletionRenderer(service, rid, token_lists, params[0].n, body.logprobs or 0,
+                                     params[0].stop_token_ids, body.return_token_ids, echo)
         return await _answer(render, _merge(service, rid, token_lists, params, span), body)
 
     @app.post("/v1/chat/completions")
@@ -196,10 +193,8 @@ def build_app(service: GatewayService) -> FastAPI:
         params = body.sampling(max_tokens, top, structured_outputs=constraint)
         service.check_request(tokens, params)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        render = ChatRenderer(service, rid, params.n, top or 0, tool_parser, names,
-                              params.stop_token_ids)
-        if body.return_token_ids:
-            render.prompts = [tokens]
+        render = ChatRenderer(service, rid, tokens, params.n, top or 0, tool_parser, names,
+                              params.stop_token_ids, body.return_token_ids)
         return await _answer(render, _merge(service, rid, [tokens], [params], span), body)
 
     return app

@@ -17,13 +17,16 @@ class Renderer:
     chunk_object = ""
 
     def __init__(self, service: GatewayService, rid: str, num_choices: int,
-                 stop_token_ids: Iterable[int] = ()) -> None:
-        """``stop_token_ids``: the request's, to tell a stop token (an int in
-        ``stop_reason``, as vLLM gives it) from a stop string."""
+                 prompts: list[list[int]], stop_token_ids: Iterable[int] = (),
+                 return_token_ids: bool = False) -> None:
+        """``prompts``: each prompt's token ids. ``stop_token_ids``: the
+        request's, to tell a stop token (an int in ``stop_reason``, as vLLM
+        gives it) from a stop string. ``return_token_ids``: vLLM's, each
+        choice's token ids (and its prompt's) in the response."""
         self.service = service
+        self.prompts = prompts
         self.stop_token_ids = frozenset(stop_token_ids)
-        # vLLM's return_token_ids: each prompt's ids, and each choice's; None: not asked.
-        self.prompts: list[list[int]] | None = None
+        self.return_token_ids = return_token_ids
         self.rid = rid
         self.created = int(time.time())
         self.num_choices = num_choices
@@ -86,15 +89,17 @@ class Renderer:
 
 
 class CompletionRenderer(Renderer):
-    def __init__(self, service, rid, num_prompts: int, n: int, top_n: int,
-                 stop_token_ids: Iterable[int] = ()) -> None:
-        super().__init__(service, rid, num_prompts * n, stop_token_ids)
+    def __init__(self, service, rid, prompts: list[list[int]], n: int, top_n: int,
+                 stop_token_ids: Iterable[int] = (), return_token_ids: bool = False,
+                 echo: list[str] | None = None) -> None:
+        """``echo``: each prompt's text, put before its completions (with the
+        prompt's logprobs, when asked: the first token's is None)."""
+        super().__init__(service, rid, len(prompts) * n, prompts, stop_token_ids,
+                         return_token_ids)
         self.n = n
         self.top_n = top_n
         self.offsets: dict[int, int] = {}
-        # ``echo``: each prompt's text and ids, put before its completions
-        # (with their logprobs, when asked: the first token's is None).
-        self.echo: list[tuple[str, list[int]]] | None = None
+        self.echo = echo
         self._prompt_logprobs: dict[int, list] = {}  # prompt -> its tokens' logprobs
         self._heads: dict[int, tuple[dict, int]] = {}  # prompt -> its echoed logprobs
         self._started: set[int] = set()
@@ -109,7 +114,7 @@ class CompletionRenderer(Renderer):
         self._started.add(choice)
         if self.echo is None or not first:
             return chunk.text, self._logprobs(choice, chunk), first
-        text, _ = self.echo[p]
+        text = self.echo[p]
         if not chunk.logprobs:
             return text + chunk.text, None, first
         if p not in self._heads:  # once per prompt, off the event loop: it can be long
@@ -124,7 +129,7 @@ class CompletionRenderer(Renderer):
     def _echo_head(self, p: int) -> tuple[dict, int]:
         """The prompt's tokens as the first logprobs of its choices (the
         first token's logprob None), and the text offset after them."""
-        _, ids = self.echo[p]
+        ids = self.prompts[p]
         scored = [None, *self._prompt_logprobs.get(p, [])]
         head: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         offset = 0
@@ -164,7 +169,7 @@ class CompletionRenderer(Renderer):
                 "index": choice, "text": text, "logprobs": logprobs,
                 "finish_reason": chunk.finish_reason, "stop_reason": self.stop_reason(chunk),
             }
-            if self.prompts is not None:
+            if self.return_token_ids:
                 body["token_ids"] = list(chunk.token_ids)
                 if opens:
                     body["prompt_token_ids"] = self.prompts[p]
@@ -181,7 +186,7 @@ class CompletionRenderer(Renderer):
                                            "finish_reason": None, "stop_reason": None})
             text, logprobs, _ = await self._open(p, index, chunk)
             c["text"] += text
-            if self.prompts is not None:
+            if self.return_token_ids:
                 c.setdefault("prompt_token_ids", self.prompts[p])
                 c.setdefault("token_ids", []).extend(chunk.token_ids)
             self._extend(c, logprobs, chunk)
@@ -189,10 +194,10 @@ class CompletionRenderer(Renderer):
 
 
 class ChatRenderer(Renderer):
-    def __init__(self, service, rid, n: int, top_n: int, tool_parser=None,
+    def __init__(self, service, rid, prompt: list[int], n: int, top_n: int, tool_parser=None,
                  tool_names: frozenset[str] | None = None,
-                 stop_token_ids: Iterable[int] = ()) -> None:
-        super().__init__(service, rid, n, stop_token_ids)
+                 stop_token_ids: Iterable[int] = (), return_token_ids: bool = False) -> None:
+        super().__init__(service, rid, n, [prompt], stop_token_ids, return_token_ids)
         self.top_n = top_n
         # Finds tool calls in each choice's text (gateway/tool_parsers.py); None: no tools.
         self.tool_parser = tool_parser
@@ -223,7 +228,7 @@ class ChatRenderer(Renderer):
             if chunk.index not in started:
                 started.add(chunk.index)
                 delta["role"] = "assistant"
-                if self.prompts is not None:
+                if self.return_token_ids:
                     envelope["prompt_token_ids"] = self.prompts[0]
             text, reason = chunk.text, chunk.finish_reason
             if self.tool_parser is not None:
@@ -239,7 +244,7 @@ class ChatRenderer(Renderer):
                 delta["content"] = text
             body = {"index": chunk.index, "delta": delta, "logprobs": self._logprobs(chunk),
                     "finish_reason": reason, "stop_reason": self.stop_reason(chunk)}
-            if self.prompts is not None:
+            if self.return_token_ids:
                 body["token_ids"] = list(chunk.token_ids)
             yield {**self._envelope([body], "chat.completion.chunk"), **envelope}
         if include_usage:
@@ -254,7 +259,7 @@ class ChatRenderer(Renderer):
                 "logprobs": None, "finish_reason": None, "stop_reason": None,
             })
             c["message"]["content"] += chunk.text
-            if self.prompts is not None:
+            if self.return_token_ids:
                 c.setdefault("token_ids", []).extend(chunk.token_ids)
             self._extend(c, self._logprobs(chunk), chunk)
         if self.tool_parser is not None:
@@ -267,6 +272,6 @@ class ChatRenderer(Renderer):
                     if c["finish_reason"] == "stop":
                         c["finish_reason"] = "tool_calls"
         body = self._collected(choices, "chat.completion")
-        if self.prompts is not None:
+        if self.return_token_ids:
             body["prompt_token_ids"] = self.prompts[0]
         return body

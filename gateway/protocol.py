@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutputsParams
+from engine.tokenizer import content_text
 from gateway.structured import InvalidField
 
 
@@ -112,16 +113,7 @@ class ChatMessage(BaseModel):
 
     def text(self) -> str:
         """Plain text content; a list of parts must be text parts only."""
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        texts = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError("only text content parts are supported")
-            texts.append(part["text"])
-        return "".join(texts)
+        return content_text(self.content)
 
 
 class ChatCompletionRequest(_Common):

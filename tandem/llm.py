@@ -19,9 +19,10 @@ from engine.config import (
     engine_config_from_flat,
 )
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
+from engine.outputs import Logprob, RequestOutput
 from engine.prompts import Prompt
 from engine.sampling_params import SamplingParams
+from engine.tokenizer import content_text
 
 # vLLM's other names for dtypes.
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
@@ -155,15 +156,16 @@ class LLM:
                     f"got {len(params)} sampling params for {len(prompts)} prompts"
                 )
         engine = self.engine
-        for prompt, p in zip(prompts, params):
+        tokenized = [engine.tokenize(prompt) for prompt in prompts]  # once: queued as ids
+        for (_, token_ids), p in zip(tokenized, params):
             for name in ("logprobs", "prompt_logprobs"):
                 if (getattr(p, name) or 0) > self.max_logprobs:
                     raise ValueError(f"{name} must be at most max_logprobs={self.max_logprobs}, "
                                      f"got {getattr(p, name)}")
-            engine.validate(engine.tokenize(prompt)[1], p)
+            engine.validate(token_ids, p)
         ids = [f"llm-{next(self._ids)}" for _ in prompts]
-        for request_id, prompt, p in zip(ids, prompts, params):
-            engine.add_request(request_id, prompt, p)
+        for request_id, (text, token_ids), p in zip(ids, tokenized, params):
+            engine.add_request(request_id, token_ids, p, prompt_text=text)
         outputs = self._run(ids, use_tqdm)
         self._decode_logprobs(outputs)
         return outputs
@@ -208,7 +210,8 @@ class LLM:
         entries += [e for out in outputs for c in out.outputs for e in (c.logprobs or [])]
         for entry in entries:
             for token_id, logprob in entry.items():
-                if getattr(logprob, "decoded_token", "") is None:
+                # (A float, not a Logprob: the first token's, from a prefill worker.)
+                if isinstance(logprob, Logprob) and logprob.decoded_token is None:
                     logprob.decoded_token = tokenizer.decode([token_id], False)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
@@ -238,10 +241,7 @@ def _text_message(index: int, message: Any) -> Any:
     """``message`` with a content of OpenAI text parts joined into a string."""
     if not isinstance(message, Mapping) or not isinstance(message.get("content"), list):
         return message
-    texts = []
-    for part in message["content"]:
-        if not isinstance(part, Mapping) or part.get("type") != "text" \
-                or not isinstance(part.get("text"), str):
-            raise ValueError(f"messages[{index}].content: only text parts are supported")
-        texts.append(part["text"])
-    return {**message, "content": "".join(texts)}
+    try:
+        return {**message, "content": content_text(message["content"])}
+    except ValueError as exc:
+        raise ValueError(f"messages[{index}].content: {exc}") from None

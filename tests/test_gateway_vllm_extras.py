@@ -1,0 +1,135 @@
+"""vLLM's extensions of the OpenAI API, with the official ``openai`` client
+against a real gateway in front of a prefill and a decode worker:
+``stop_reason``, ``logit_bias`` and ``allowed_token_ids``, ``echo`` with the
+prompt's logprobs, ``return_token_ids``, and the /tokenize, /detokenize,
+/version and /ping routes."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+from gateway_fixtures import SERVED, module_cluster, tiny_model
+
+from engine.tokenizer import Tokenizer
+
+NUM_BLOCKS = 64
+GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
+PROMPT = "the quick brown fox"
+MESSAGES = [{"role": "user", "content": "hello tandem"}]
+
+
+cluster, workers, gateway, no_leaks = module_cluster(NUM_BLOCKS)
+
+
+@pytest.fixture(scope="module")
+def client(gateway):
+    with gateway.client() as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return Tokenizer(tiny_model())
+
+
+def test_a_stop_token_is_the_stop_reason(client, tokenizer):
+    free = client.completions.create(model=SERVED, prompt=PROMPT, max_tokens=12, logprobs=0,
+                                     **GREEDY).choices[0]
+    assert free.stop_reason is None and free.finish_reason == "length"
+    # logprobs=0: no alternatives, but the sampled token's own logprob (OpenAI's shape).
+    assert [len(top) for top in free.logprobs.top_logprobs] == [1] * 12
+    assert [next(iter(top)) for top in free.logprobs.top_logprobs] == free.logprobs.tokens
+    # A generated token whose text encodes back to one id: that id is the token.
+    token = next(ids[0] for text in free.logprobs.tokens[1:]
+                 if len(ids := tokenizer.encode(text, add_special_tokens=False)) == 1
+                 and tokenizer.decode(ids) == text)
+    for stream in (False, True):
+        out = client.completions.create(model=SERVED, prompt=PROMPT, max_tokens=12,
+                                        stream=stream, temperature=0,
+                                        extra_body={"ignore_eos": True, "stop_token_ids": [token]})
+        last = list(out)[-1].choices[0] if stream else out.choices[0]
+        assert last.finish_reason == "stop" and last.stop_reason == token
+
+
+def test_logit_bias_and_allowed_token_ids(client, tokenizer):
+    fox = tokenizer.encode("fox", add_special_tokens=False)[0]
+    want = tokenizer.decode([fox] * 6)
+    biased = client.completions.create(model=SERVED, prompt=PROMPT, max_tokens=6,
+                                       logit_bias={str(fox): 100}, **GREEDY)
+    assert biased.choices[0].text == want
+    allowed = client.chat.completions.create(
+        model=SERVED, messages=MESSAGES, max_tokens=6, temperature=0,
+        extra_body={"ignore_eos": True, "allowed_token_ids": [fox]})
+    assert allowed.choices[0].message.content == want
+    for bias, param in (({"fox": 1}, "logit_bias"), ({str(10**6): 1}, None),
+                        ({str(fox): 500}, None)):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model=SERVED, prompt=PROMPT, max_tokens=2, logit_bias=bias)
+        assert "logit_bias" in err.value.message and err.value.body.get("param") == param
+
+
+def test_vllms_tokenize_detokenize_version_and_ping(gateway, tokenizer):
+    with gateway.http() as http:
+        out = http.post("/tokenize", json={"prompt": PROMPT}).json()
+        assert out["tokens"] == tokenizer.encode(PROMPT) and out["count"] == len(out["tokens"])
+        assert out["max_model_len"] == 1024
+        bare = http.post("/tokenize", json={"prompt": PROMPT, "add_special_tokens": False})
+        assert bare.json()["tokens"] == tokenizer.encode(PROMPT, add_special_tokens=False)
+        chat = http.post("/tokenize", json={"messages": MESSAGES}).json()
+        assert chat["tokens"] == tokenizer.encode_chat(MESSAGES)
+        assert http.post("/detokenize", json={"tokens": out["tokens"]}).json() == {
+            "prompt": tokenizer.decode(out["tokens"])}
+        for path, body in (("/tokenize", {}), ("/tokenize", {"prompt": "a", "messages": MESSAGES}),
+                           ("/detokenize", {"tokens": [10**9]}),
+                           ("/detokenize", {"tokens": [True]})):
+            r = http.post(path, json=body)
+            assert r.status_code == 400 and "error" in r.json(), (path, body, r.text)
+        assert http.get("/version").json()["version"]
+        assert http.get("/ping").status_code == 200 and http.post("/ping").status_code == 200
+
+
+def test_return_token_ids(client, tokenizer):
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    out = client.completions.create(model=SERVED, prompt=[PROMPT, "a b"], max_tokens=5,
+                                    temperature=0, extra_body=extra)
+    for choice, prompt in zip(out.choices, [PROMPT, "a b"]):
+        assert choice.prompt_token_ids == tokenizer.encode(prompt)
+        assert len(choice.token_ids) == 5 and tokenizer.decode(choice.token_ids) == choice.text
+    chunks = list(client.completions.create(model=SERVED, prompt=PROMPT, max_tokens=5,
+                                            temperature=0, stream=True, extra_body=extra))
+    assert chunks[0].choices[0].prompt_token_ids == tokenizer.encode(PROMPT)
+    assert [t for c in chunks for t in c.choices[0].token_ids] == out.choices[0].token_ids
+    chat = client.chat.completions.create(model=SERVED, messages=MESSAGES, max_tokens=5,
+                                          temperature=0, extra_body=extra)
+    assert chat.prompt_token_ids == tokenizer.encode_chat(MESSAGES)
+    assert tokenizer.decode(chat.choices[0].token_ids) == chat.choices[0].message.content
+    plain = client.completions.create(model=SERVED, prompt=PROMPT, max_tokens=2, **GREEDY)
+    assert getattr(plain.choices[0], "token_ids", None) is None
+
+
+def test_echo_puts_the_prompt_and_its_logprobs_first(client, tokenizer):
+    plain = client.completions.create(model=SERVED, prompt=PROMPT, max_tokens=4, **GREEDY)
+    echoed = client.completions.create(model=SERVED, prompt=PROMPT, max_tokens=4, echo=True,
+                                       n=2, **GREEDY)
+    assert [c.text for c in echoed.choices] == [PROMPT + plain.choices[0].text] * 2
+    streamed = client.completions.create(model=SERVED, prompt=PROMPT, max_tokens=4, echo=True,
+                                         stream=True, **GREEDY)
+    assert "".join(c.choices[0].text for c in streamed) == PROMPT + plain.choices[0].text
+    # lm-eval-harness's use: the prompt's logprobs, the first token's None.
+    ids = tokenizer.encode(PROMPT)
+    scored = client.completions.create(model=SERVED, prompt=PROMPT, max_tokens=1, echo=True,
+                                       logprobs=1, **GREEDY).choices[0].logprobs
+    assert len(scored.tokens) == len(ids) + 1
+    assert scored.token_logprobs[0] is None and scored.top_logprobs[0] is None
+    assert all(v <= 0 for v in scored.token_logprobs[1:])
+    assert all(1 <= len(top) <= 2 for top in scored.top_logprobs[1:])
+    assert scored.text_offset == sorted(scored.text_offset)
+    by_ids = client.completions.create(model=SERVED, prompt=ids, max_tokens=1, echo=True,
+                                       logprobs=1, **GREEDY).choices[0].logprobs
+    both = client.completions.create(model=SERVED, prompt=PROMPT, max_tokens=1, echo=True,
+                                     logprobs=1, n=2, **GREEDY).choices
+    for choice in both:  # each choice starts with the same prompt logprobs
+        assert choice.logprobs.tokens[:len(ids)] == scored.tokens[:len(ids)]
+        assert choice.logprobs.text_offset[:len(ids)] == scored.text_offset[:len(ids)]
+    assert by_ids.token_logprobs[0] is None
+    assert by_ids.token_logprobs[1:] == pytest.approx(scored.token_logprobs[1:], rel=1e-5)

@@ -7,8 +7,9 @@ One decode worker runs as its own process on a small random model whose KV
 is 16 KiB per token (4 layers, 4 kv heads, head dim 128, float32), so a
 payload of N MiB is a prompt of 64*N tokens. This process plays the prefill
 worker: for each payload it reserves the blocks (Reserve), moves them with
-the real sender (``GrpcSender``: PushKV; ``TorchSender``: ExpectKV + gloo
-send; ``MooncakeSender``: WriteKV around one-sided batch writes of the
+the real sender (``GrpcSender``: PushKV; ``TorchSender``: WriteKV around
+one gloo send of every layer, announced on the pair's KVFrames stream;
+``MooncakeSender``: WriteKV around one-sided batch writes of the
 Mooncake transfer engine over its TCP protocol, from this process's
 registered cache into the decode worker's) and frees them (Abort). Each
 transfer is the sender's whole call, from its first message to the decode

@@ -110,14 +110,6 @@ class DecodeWorker(WorkerBase):
             span.set_attribute("bytes", received)
             return received
 
-    async def receive_torch(self, req: worker_pb2.ExpectKVRequest) -> int:
-        self.check_torch_allowed()
-        with _tracer.start_as_current_span("kv_transfer.receive", attributes={
-                "transport": "torch", "request_id": req.request_id}) as span:
-            received = await self.receiver.receive_torch(req)
-            span.set_attribute("bytes", received)
-            return received
-
     async def open_group(self, req: worker_pb2.OpenTransferGroupRequest) -> None:
         self.check_torch_allowed()
         # Before joining (connecting to) the store: it must be a known prefill worker's.
@@ -127,15 +119,26 @@ class DecodeWorker(WorkerBase):
     async def receive_preflight(self, chunks) -> int:
         return await self.receiver.receive_preflight(chunks)
 
-    async def receive_mooncake(self, messages):
-        if self.kv_transports.mooncake is None:
-            raise self._unimplemented("WriteKV (this worker runs no mooncake transfer engine)")
+    async def receive_frames(self, frames) -> None:
+        self.check_torch_allowed()
+        await self.receiver.receive_frames(frames)
+
+    async def receive_writes(self, messages):
+        """A mooncake or torch transfer's control stream."""
         # Not made current: a context held across a yield would leak.
-        span = _tracer.start_span("kv_transfer.receive", context=otel_context.get_current(),
-                                  attributes={"transport": "mooncake"})
+        span = _tracer.start_span("kv_transfer.receive", context=otel_context.get_current())
+
+        def allowed(transport: str) -> None:
+            span.set_attribute("transport", transport)
+            if transport == "torch":
+                self.check_torch_allowed()
+            elif self.kv_transports.mooncake is None:
+                raise self._unimplemented("WriteKV (this worker runs no mooncake transfer "
+                                          "engine)")
+
         error = None
         try:
-            async for reply in self.receiver.receive_mooncake(messages):
+            async for reply in self.receiver.receive_writes(messages, allowed):
                 if reply.bytes_received:
                     span.set_attribute("bytes", reply.bytes_received)
                 yield reply

@@ -36,6 +36,11 @@ class KVSender(ABC):
     # True: the sender implements ``send_progressive`` and can stream blocks
     # while a chunked prefill is still computing later ones.
     streams_during_compute = False
+    # True: the sender implements ``send_when`` (every layer, once the forward
+    # pass that completes the prompt is over) and ``layer_sink`` with
+    # ``send_layers`` (each layer as soon as it is stored), both opening the
+    # transfer while the prompt computes.
+    sends_by_layer = False
 
     def __init__(self) -> None:
         # Decode worker id -> bytes/s measured at first contact (None: failed).

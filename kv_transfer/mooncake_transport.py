@@ -32,32 +32,25 @@ import logging
 import time
 from concurrent.futures import Future
 
-import grpc
-
 from kv_transfer.base import PREFLIGHT_BYTES, KVSender
 from kv_transfer.layout import KVLayout, TransferStats
 from kv_transfer.mooncake_endpoint import MooncakeEndpoint
 from kv_transfer.mooncake_layers import LayerWrites
-from rpc.errors import PermissionDenied, Unavailable, peer_error
+from kv_transfer.write_stream import Written, guarded, write_stream
+from rpc.errors import PermissionDenied, Unavailable
 from rpc.pool import ChannelPool
-from rpc.protos import worker_pb2, worker_pb2_grpc
+from rpc.protos import worker_pb2
 from rpc.tracing import tracer
 
 logger = logging.getLogger("kv_transfer")
 _tracer = tracer("tandem.kv_transfer")
-
-# Bounds a transfer's WriteKV stream past the reservation's lease, so a
-# decode worker that hangs (stopped, partitioned) fails the transfer instead
-# of holding the prefill's blocks. NOTE: it must exceed any write's
-# duration: the decode worker stops holding its blocks for the writer when
-# the stream ends.
-TRANSFER_TIMEOUT_S = 120.0
 # Most repeats of a transfer's segments a preflight writes to reach PREFLIGHT_BYTES.
 MAX_PREFLIGHT_REPEATS = 64
 
 
 class MooncakeSender(KVSender):
     name = "mooncake"
+    sends_by_layer = True
 
     def __init__(self, endpoint: MooncakeEndpoint, layout: KVLayout, channels: ChannelPool,
                  worker_id: str) -> None:
@@ -102,7 +95,7 @@ class MooncakeSender(KVSender):
                 event.synchronize()
             self.endpoint.write(peer, *segments)
 
-        async def write() -> dict:
+        async def write() -> Written:
             src, event = await blocks
             started = time.perf_counter()
             if len(src) != len(ticket.block_ids):
@@ -114,18 +107,18 @@ class MooncakeSender(KVSender):
                 pending.append(self.endpoint.thread.submit(
                     write_after, event, ticket.mooncake.rpc_address, *segments))
                 await asyncio.wrap_future(pending[-1])
-            return {"bytes_written": sum(segments[2]), "num_blocks": len(ticket.block_ids),
-                    "segments": len(segments[2]), "started": started}
+            return ({"bytes_written": sum(segments[2]), "num_blocks": len(ticket.block_ids)},
+                    started, {"segments": len(segments[2])})
 
         async def stop() -> None:
             if pending:
                 await asyncio.wait([asyncio.wrap_future(f) for f in pending])
 
-        return await _guarded(self._transfer(request_id, ticket, write, stop))
+        return await guarded(self._transfer(request_id, ticket, write, stop))
 
     # ---- layer by layer, during the compute ----------------------------------------------
 
-    def layer_writes(self, ticket: worker_pb2.Ticket, span=None) -> LayerWrites:
+    def layer_sink(self, request_id: str, ticket: worker_pb2.Ticket, span=None) -> LayerWrites:
         """The engine sink of a transfer by layer (``send_layers``)."""
         self._check(ticket, None)
         return LayerWrites(self.endpoint, ticket.mooncake, list(ticket.block_ids),
@@ -137,68 +130,31 @@ class MooncakeSender(KVSender):
         worker accepts; done once the forward pass that completes the prompt
         has queued its last write and every write has landed."""
 
-        async def write() -> dict:
+        async def write() -> Written:
             writes.start()
             await writes.queued
             started = time.perf_counter()
-            for future in list(writes.futures):
-                await asyncio.wrap_future(future)
+            await writes.wait_sent()
             if not writes.complete:
                 raise RuntimeError(f"layer writes of {request_id!r} missed blocks: landed "
                                    f"{writes.landed}, {len(writes.dst)} each")
             nbytes = len(writes.dst) * self.layout.block_bytes_per_layer * writes.num_layers
-            return {"bytes_written": nbytes, "num_blocks": len(writes.dst),
-                    "layer_blocks": writes.landed, "segments": writes.num_segments,
-                    "started": started}
+            return ({"bytes_written": nbytes, "num_blocks": len(writes.dst),
+                     "layer_blocks": writes.landed}, started, {"segments": writes.num_segments})
 
         async def stop() -> None:
             writes.close()
-            if writes.futures:
-                await asyncio.wait([asyncio.wrap_future(f) for f in writes.futures])
+            await writes.settle()
 
-        stats = await _guarded(self._transfer(request_id, ticket, write, stop))
+        stats = await guarded(self._transfer(request_id, ticket, write, stop))
         stats.extra["bytes_moved"] = writes.bytes_moved
         return stats
 
-    # ---- the WriteKV control stream --------------------------------------------------------
-
     async def _transfer(self, request_id: str, ticket: worker_pb2.Ticket, write,
                         stop) -> TransferStats:
-        """The stream around ``write()``, which returns the done message's
-        fields, and for the stats "segments" and "started" (when the KV was
-        ready: the stats' seconds run from there to the acknowledgement,
-        not from the stream's opening, which is with the prompt). On any
-        failure ``stop()`` runs before the stream closes: the decode worker
-        stops holding its blocks for us once it has, so no write may still
-        be running then."""
-        peer = f"decode worker {ticket.decode_worker_id}"
-        stub = worker_pb2_grpc.WorkerStub(self.channels.get(ticket.decode_address))
-        call = stub.WriteKV(timeout=_stream_timeout(ticket))
-        try:
-            await call.write(worker_pb2.WriteKVMessage(begin=worker_pb2.WriteKVBegin(
-                request_id=request_id, prefill_worker_id=self.worker_id,
-                layout=self.layout.to_proto(), num_blocks=len(ticket.block_ids),
-                attempt=ticket.attempt)))
-            reply = await call.read()
-            if reply is grpc.aio.EOF or not reply.ready:
-                raise Unavailable(f"{peer} did not accept the mooncake write")
-            # The blocks are ours to write until "done": measure first contact here.
-            await self._first_contact(ticket)
-            done = await write()
-            segments, start = done.pop("segments"), done.pop("started")
-            await call.write(worker_pb2.WriteKVMessage(done=worker_pb2.WriteKVDone(**done)))
-            await call.done_writing()
-            reply = await call.read()
-            if reply is grpc.aio.EOF:
-                raise Unavailable(f"{peer} ended the mooncake transfer without an answer")
-        except BaseException as exc:
-            await asyncio.shield(stop())
-            call.cancel()
-            if isinstance(exc, grpc.aio.AioRpcError):
-                raise peer_error(exc, peer) from None
-            raise
-        return TransferStats("mooncake", reply.bytes_received, time.perf_counter() - start,
-                             {"segments": segments})
+        return await write_stream(self.channels, self.worker_id, self.layout, "mooncake",
+                                  request_id, ticket, write, stop,
+                                  lambda: self._first_contact(ticket))
 
     async def _first_contact(self, ticket: worker_pb2.Ticket) -> None:
         """The preflight writes into this transfer's own reserved blocks (so
@@ -222,26 +178,6 @@ class MooncakeSender(KVSender):
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.endpoint.thread, fn, *args)
-
-
-async def _guarded(transfer_coro) -> TransferStats:
-    """Run a transfer; cancelled, it is cancelled too, and this returns
-    only once it is over (its ``stop`` waits for the writes in flight).
-    NOTE: the caller frees the source blocks when this returns."""
-    transfer = asyncio.ensure_future(transfer_coro)
-    try:
-        return await asyncio.shield(transfer)
-    except asyncio.CancelledError:
-        transfer.cancel()
-        await asyncio.wait([transfer])
-        raise
-
-
-def _stream_timeout(ticket: worker_pb2.Ticket) -> float:
-    """The reservation's remaining lease (a layer-by-layer transfer is open
-    while the prompt computes) plus TRANSFER_TIMEOUT_S."""
-    left = ticket.lease_expiry_unix_ms / 1000 - time.time() if ticket.lease_expiry_unix_ms else 0
-    return max(left, 0.0) + TRANSFER_TIMEOUT_S
 
 
 def _host(address: str) -> str:

@@ -4,7 +4,8 @@ A reservation registers the blocks a request's KV may be written to. Bytes
 for an unknown request, a stale attempt, a block index outside the
 reservation or a wrong size are refused. A reservation cancelled while bytes
 are being written is released only once the writer stops, so freed blocks
-are never written.
+are never written. Every write into a reservation's blocks runs on the event
+loop, where reservations change, so none runs after one is released.
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.dtypes import TORCH_DTYPES
 from engine.kv_blocks import KVBlockView
 from kv_transfer.block_io import from_bytes
 from kv_transfer.layout import KVLayout
-from kv_transfer.torch_transport import PREFLIGHT_TAG, PairGroup, join_group, transfer_tag
-from rpc.errors import Fenced, NotFound
+from kv_transfer.progress import resolve_once
+from kv_transfer.torch_pair import PAYLOAD_TAG, PREFLIGHT_TAG, PairGroup, join_group
+from rpc.errors import Fenced, NotFound, Unavailable
 from rpc.protos import worker_pb2
 
 logger = logging.getLogger("kv_transfer")
@@ -40,6 +41,13 @@ class Reservation:
     writing: bool = False
     cancelled: bool = False
     completed_at: float | None = None  # monotonic time the last byte landed
+    # A torch transfer: the pair whose payloads land here, per layer the
+    # leading blocks that landed, resolved by the done frame, and the
+    # first payload refused (reported when the transfer finishes).
+    pair: PairGroup | None = None
+    landed: list[int] | None = None
+    payloads_done: asyncio.Future | None = None
+    error: Exception | None = None
 
 
 class KVReceiver:
@@ -121,11 +129,11 @@ class KVReceiver:
         group = await loop.run_in_executor(
             None, join_group, req.store_address, req.group_name, self.io.device
         )
-        pair = PairGroup(group)
+        pair = PairGroup(group, req.group_name)
         old = self.groups.get(req.prefill_worker_id)
         self.groups[req.prefill_worker_id] = pair
         if old is not None:
-            old.thread.shutdown(wait=False)
+            old.close()
         if req.preflight_bytes:
             # Queued first on the pair's thread, so it pairs with the sender's
             # preflight before any transfer; the sender times the round trip.
@@ -138,87 +146,127 @@ class KVReceiver:
 
             pair.submit(drop_and_answer).add_done_callback(_log_failure("torch preflight"))
 
-    async def receive_torch(self, req: worker_pb2.ExpectKVRequest) -> int:
-        pair = self.groups.get(req.prefill_worker_id)
-        if pair is None or pair.broken:
-            raise NotFound(f"no transfer group with prefill worker {req.prefill_worker_id!r}")
-        tag = transfer_tag(req.request_id)
+    async def receive_frames(self, frames: AsyncIterator[worker_pb2.KVFrame]) -> None:
+        """A pair's KVFrames stream: each payload frame's bytes are received
+        in the frames' order (the sender sends in that order) and written
+        into its transfer's blocks, or dropped if that transfer is no longer
+        live. Ends with the pair: its order is lost with the stream, so the
+        pair is never used again and its transfers in flight fail."""
+        it = aiter(frames)
+        first = await anext(it, None)
+        if first is None or first.WhichOneof("kind") != "open":
+            raise ValueError("a KVFrames stream starts with an open frame")
+        sender, name = first.open.prefill_worker_id, first.open.group_name
+        pair = self.groups.get(sender)
+        if pair is None or pair.broken or pair.name != name:
+            raise NotFound(f"no transfer group {name!r} with prefill worker {sender!r}")
         try:
-            self.layout.check_compatible(KVLayout.from_proto(req.layout), "sender")
-            r = self._begin(req.request_id, req.attempt)
-        except Exception:
-            # NOTE: the sender's send is already posted: take its bytes and drop
-            # them, or it waits for gloo's timeout and the pair closes for good.
-            await self._drop_torch(pair, req, tag)
-            raise
-        start = time.perf_counter()
-        try:
-            if req.num_blocks != len(r.block_ids):
-                await self._drop_torch(pair, req, tag)
-                raise ValueError(f"{req.num_blocks} blocks announced, {len(r.block_ids)} reserved")
-            buf = self.io.empty(self.layout.num_layers, req.num_blocks)
-            await pair.run(pair.recv, buf, 0, tag)
-            self._check_live(req.request_id, r)
-            await pair.run(self.io.write, r.block_ids, buf)
-            r.bytes_received = buf.numel() * buf.element_size()
-            return self._finish(req.request_id, r, "torch", start)
-        except BaseException:
-            self._abandon(req.request_id, r, "torch", start)
-            raise
+            async for frame in it:
+                kind = frame.WhichOneof("kind")
+                if kind == "data":
+                    await self._payload(pair, frame.data)
+                elif kind == "done":
+                    r = self._live(pair, frame.done.request_id, frame.done.attempt)
+                    if r is not None:
+                        resolve_once(r.payloads_done, None)
+                else:
+                    raise ValueError(f"a {kind} frame after the first")
+        finally:
+            pair.broken = True
+            for r in self.reservations.values():
+                if r.pair is pair and not r.payloads_done.done():
+                    r.payloads_done.set_exception(Unavailable(
+                        f"the KV frames of prefill worker {sender!r} ended"))
 
-    async def _drop_torch(self, pair: PairGroup, req: worker_pb2.ExpectKVRequest,
-                          tag: int) -> None:
-        """Receive a refused transfer's bytes into scratch memory. Skipped
-        (the sender then times out) when the announced size is not sane."""
-        dtype = TORCH_DTYPES.get(req.layout.dtype)
-        if dtype is None or not 0 < req.num_blocks <= self.io.num_blocks:
+    async def _payload(self, pair: PairGroup, p: worker_pb2.KVPayload) -> None:
+        num_layers = self.layout.num_layers
+        if not 0 < p.num_blocks <= self.io.num_blocks or not -1 <= p.layer < num_layers:
+            # Its size is not one this worker can know: the pair is out of step.
+            raise ValueError(f"a payload of {p.num_blocks} blocks of layer {p.layer}")
+        buf = self.io.empty(num_layers if p.layer < 0 else None, p.num_blocks)
+        await pair.run(pair.recv, buf, 0, PAYLOAD_TAG)
+        r = self._live(pair, p.request_id, p.attempt)
+        if r is None or r.cancelled or r.error is not None:
+            return  # abandoned or aborted meanwhile, or already failed: dropped
+        try:
+            ids = self._slice(r, p.first_block, p.num_blocks)
+        except ValueError as exc:
+            r.error = exc
             return
-        sender = KVLayout.from_proto(req.layout)
-        nbytes = req.num_blocks * sender.block_bytes_per_layer * sender.num_layers
-        if nbytes > 2 * req.num_blocks * self.layout.block_bytes_per_layer * self.layout.num_layers:
-            return
-        itemsize = torch.finfo(dtype).bits // 8
-        scratch = torch.empty(nbytes // itemsize, dtype=dtype, device=self.io.device)
-        try:
-            await pair.run(pair.recv, scratch, 0, tag)
-        except Exception as exc:
-            logger.warning("could not drop a refused transfer of %s: %s", req.request_id, exc)
+        if p.layer < 0:
+            self.io.write(ids, buf)
+        else:
+            self.io.write_layer(p.layer, ids, buf)
+        for layer in range(num_layers) if p.layer < 0 else (p.layer,):
+            if p.first_block <= r.landed[layer]:
+                r.landed[layer] = max(r.landed[layer], p.first_block + p.num_blocks)
 
-    # ---- mooncake transport ---------------------------------------------------------------
+    def _live(self, pair: PairGroup, request_id: str, attempt: int) -> Reservation | None:
+        """The reservation a torch payload of ``pair`` may land in, if any."""
+        r = self.reservations.get(request_id)
+        if (r is None or r.pair is not pair or r.attempt != attempt or not r.writing
+                or r.payloads_done.done()):
+            return None
+        return r
 
-    async def receive_mooncake(self, messages: AsyncIterator[worker_pb2.WriteKVMessage],
-                               ) -> AsyncIterator[worker_pb2.WriteKVReply]:
-        """The control half of a one-sided write (kv_transfer/mooncake_transport.py):
-        begin -> ready (the reservation is marked as being written), then
-        done -> the bytes, once the completion count matches the reservation."""
+    # ---- mooncake and torch transports: the control stream ---------------------------
+
+    async def receive_writes(self, messages: AsyncIterator[worker_pb2.WriteKVMessage],
+                             allowed: Callable[[str], None] = lambda transport: None,
+                             ) -> AsyncIterator[worker_pb2.WriteKVReply]:
+        """The control half of a mooncake (kv_transfer/mooncake_transport.py)
+        or torch (kv_transfer/torch_transport.py) transfer: begin -> ready
+        (the reservation is marked as being written), then done -> the
+        bytes, once the completion count matches the reservation.
+        ``allowed(transport)`` raises if this worker does not take it."""
         it = aiter(messages)
         begin = await anext(it, None)
         if begin is None or begin.WhichOneof("kind") != "begin":
-            raise ValueError("a mooncake transfer starts with a begin message")
+            raise ValueError("a WriteKV transfer starts with a begin message")
         b = begin.begin
+        transport = b.transport or "mooncake"
+        if transport not in ("mooncake", "torch"):
+            raise ValueError(f"WriteKV for transport {transport!r}; mooncake or torch")
+        allowed(transport)
         self.layout.check_compatible(KVLayout.from_proto(b.layout), "sender")
+        pair = None
+        if transport == "torch":
+            pair = self.groups.get(b.prefill_worker_id)
+            if pair is None or pair.broken:
+                raise NotFound(f"no transfer group with prefill worker {b.prefill_worker_id!r}")
         r = self._begin(b.request_id, b.attempt)
         start, finished = time.perf_counter(), False
         try:
             if b.num_blocks != len(r.block_ids):
                 raise ValueError(f"{b.num_blocks} blocks announced, {len(r.block_ids)} reserved")
+            if pair is not None:
+                r.pair, r.landed = pair, [0] * self.layout.num_layers
+                r.payloads_done = asyncio.get_running_loop().create_future()
             yield worker_pb2.WriteKVReply(ready=True)
             done = await anext(it, None)
             if done is None or done.WhichOneof("kind") != "done":
-                raise ValueError("the mooncake transfer ended before its done message")
+                raise ValueError(f"the {transport} transfer ended before its done message")
             if done.done.num_blocks != len(r.block_ids):
                 raise ValueError(f"{done.done.num_blocks} blocks written, "
                                  f"{len(r.block_ids)} reserved")
+            expected = [len(r.block_ids)] * self.layout.num_layers
             layers = list(done.done.layer_blocks)
-            if layers and layers != [len(r.block_ids)] * self.layout.num_layers:
+            if pair is not None:
+                await r.payloads_done  # every payload of the transfer has been received
+                self._check_live(b.request_id, r)
+                if r.error is not None:
+                    raise r.error
+                layers = r.landed
+            if layers and layers != expected:
                 raise ValueError(f"written by layer: {layers} blocks; {len(r.block_ids)} in "
                                  f"each of {self.layout.num_layers} layers expected")
-            r.bytes_received = done.done.bytes_written
-            received = self._finish(b.request_id, r, "mooncake", start)  # checks the count
+            r.bytes_received = (sum(layers) * self.layout.block_bytes_per_layer
+                                if pair is not None else done.done.bytes_written)
+            received = self._finish(b.request_id, r, transport, start)  # checks the count
             finished = True
         except BaseException:
             if not finished:
-                self._abandon(b.request_id, r, "mooncake", start)
+                self._abandon(b.request_id, r, transport, start)
             raise
         yield worker_pb2.WriteKVReply(bytes_received=received)
 
@@ -268,6 +316,7 @@ class KVReceiver:
     def _abandon(self, request_id: str, r: Reservation, transport: str, start: float) -> None:
         r.writing = False
         r.bytes_received = 0
+        r.pair = None  # a torch payload still on its way is dropped
         self._notify(transport, 0, start, False)
         if r.cancelled:
             self.reservations.pop(request_id, None)

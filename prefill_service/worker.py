@@ -119,7 +119,7 @@ class PrefillWorker(WorkerBase):
             # would free the blocks of the other request that holds this id.
             raise ValueError(f"request id {request_id!r} is already in use")
 
-        sink = None  # mooncake's engine sink: writes by layer, or the prompt's end
+        sink = None  # the engine sink of a sender by layer: each layer, or the prompt's end
 
         def add(engine: LLMEngine) -> None:
             # Its blocks are held until the decode worker has the KV.
@@ -131,14 +131,14 @@ class PrefillWorker(WorkerBase):
         computed = False
         transfer: asyncio.Future | None = None
         watch = None
-        # Mooncake opens its transfer now, and writes by layer or as soon as
-        # the forward pass that completes the prompt is over.
+        # Mooncake and torch open their transfer now, and send by layer or as
+        # soon as the forward pass that completes the prompt is over.
         try:
-            if isinstance(sender, MooncakeSender):
+            if sender.sends_by_layer:
 
                 def by_layer(span):
                     nonlocal sink
-                    sink = sender.layer_writes(ticket, span)
+                    sink = sender.layer_sink(request_id, ticket, span)
                     return sender.send_layers(request_id, ticket, sink)
 
                 def at_end(_):

@@ -18,7 +18,8 @@ from engine.kv_blocks import KVBlocks
 from kv_transfer.block_io import from_bytes, to_bytes
 from kv_transfer.layout import KVLayout
 from kv_transfer.receiver import MAX_PREFLIGHT_BYTES, KVReceiver
-from kv_transfer.torch_transport import PairGroup, make_group, transfer_tag
+from kv_transfer.torch_frames import done_frame, payload_frame
+from kv_transfer.torch_pair import PAYLOAD_TAG, PREFLIGHT_TAG, PairGroup, make_group
 from rpc.errors import Fenced, LayoutMismatch, NotFound, status_for
 from rpc.protos import worker_pb2
 
@@ -300,15 +301,39 @@ class GlooSender:
         await asyncio.to_thread(lambda: self.group.recv([t], 1, tag).wait())
 
 
-def expect_kv(request_id: str, num_blocks: int, lay: KVLayout, attempt: int = 0):
-    return worker_pb2.ExpectKVRequest(request_id=request_id, prefill_worker_id="p0",
-                                      layout=lay.to_proto(), num_blocks=num_blocks,
-                                      attempt=attempt)
+class Feed:
+    """A client stream fed by the test, one message at a time."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, message) -> None:
+        self.queue.put_nowait(message)
+
+    def end(self) -> None:
+        self.queue.put_nowait(None)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        message = await self.queue.get()
+        if message is None:
+            raise StopAsyncIteration
+        return message
+
+
+def begin_torch(request_id: str, num_blocks: int, lay: KVLayout, attempt: int = 0):
+    return worker_pb2.WriteKVMessage(begin=worker_pb2.WriteKVBegin(
+        request_id=request_id, prefill_worker_id="p0", layout=lay.to_proto(),
+        num_blocks=num_blocks, attempt=attempt, transport="torch"))
+
+
+def done_message(num_blocks: int):
+    return worker_pb2.WriteKVMessage(done=worker_pb2.WriteKVDone(num_blocks=num_blocks))
 
 
 async def test_torch_receive_preflight_refusal_and_success():
-    from kv_transfer.torch_transport import PREFLIGHT_TAG
-
     r = Receiver()
     sender = GlooSender()
     await r.rx.open_group(sender.open_request(preflight_bytes=4096))
@@ -319,25 +344,50 @@ async def test_torch_receive_preflight_refusal_and_success():
     await sender.recv(ack, PREFLIGHT_TAG)
     assert ack.item() == 1
 
-    # Refused (no reservation), but the bytes are taken, so the send ends.
-    data = r.src.read([0, 4])
-    receiving = asyncio.ensure_future(r.rx.receive_torch(expect_kv("ghost", 2, r.layout)))
-    await asyncio.wait_for(sender.send(data, transfer_tag("ghost")), 5)
+    # The frames must name the pair's group.
+    wrong = Feed()
+    wrong.put(worker_pb2.KVFrame(open=worker_pb2.KVFramesOpen(prefill_worker_id="p0",
+                                                              group_name="kv/other")))
+    with pytest.raises(NotFound, match="no transfer group"):
+        await r.rx.receive_frames(wrong)
+    frames = Feed()
+    frames.put(worker_pb2.KVFrame(open=worker_pb2.KVFramesOpen(prefill_worker_id="p0",
+                                                               group_name=sender.name)))
+    receiving = asyncio.ensure_future(r.rx.receive_frames(frames))
+
+    async def payload(rid: str, layer: int, first: int, src: list[int]) -> None:
+        frames.put(payload_frame(rid, 0, layer, first, len(src)))
+        data = r.src.read(src) if layer < 0 else r.src.read_layer(layer, src)
+        await asyncio.wait_for(sender.send(data, PAYLOAD_TAG), 5)
+
+    # Refused at begin (no reservation, wrong block count): nothing is sent.
     with pytest.raises(NotFound):
-        await receiving
-    assert not r.rx.groups["p0"].broken
-
-    # Wrong block count: refused the same way.
+        await anext(r.rx.receive_writes(stream([begin_torch("ghost", 2, r.layout)])))
     r.rx.expect("req", [3, 6], attempt=0)
-    short = r.src.read([0])
-    receiving = asyncio.ensure_future(r.rx.receive_torch(expect_kv("req", 1, r.layout)))
-    await asyncio.wait_for(sender.send(short, transfer_tag("req")), 5)
     with pytest.raises(ValueError, match="1 blocks announced, 2 reserved"):
-        await receiving
+        await anext(r.rx.receive_writes(stream([begin_torch("req", 1, r.layout)])))
 
-    # And the pair still carries a real transfer.
-    receiving = asyncio.ensure_future(r.rx.receive_torch(expect_kv("req", 2, r.layout)))
-    await sender.send(data, transfer_tag("req"))
-    assert await receiving == data.numel() * data.element_size()
+    # A transfer layer by layer, in two chunks of blocks, while payloads of a
+    # request that is not being received pass through and are dropped.
+    control = Feed()
+    control.put(begin_torch("req", 2, r.layout))
+    replies = r.rx.receive_writes(control)
+    assert (await anext(replies)).ready
+    for layer in range(LAYERS):
+        await payload("req", layer, 0, [0])
+    await payload("stray", -1, 0, [1, 2])
+    for layer in range(LAYERS):
+        await payload("req", layer, 1, [4])
+    frames.put(done_frame("req", 0))
+    control.put(done_message(2))
+    reply = await anext(replies)
+    assert reply.bytes_received == 2 * r.layout.block_bytes_per_layer * LAYERS
     assert r.rx.is_complete("req")
     r.assert_landed([0, 4], [3, 6])
+    assert not receiving.done()
+
+    # A payload no reservation could hold: the pair is out of step, and closed.
+    frames.put(payload_frame("req", 0, 0, 0, r.dst.num_blocks + 1))
+    with pytest.raises(ValueError, match="a payload of"):
+        await receiving
+    assert r.rx.groups["p0"].broken

@@ -42,7 +42,7 @@ MOONCAKE = ("--transport", "mooncake,grpc")
 # prompt (a CPU's default) comes after several steps, and written by layer a
 # prompt's KV goes over several steps.
 CHUNKED = ("--long-prefill-token-threshold", "16", "--max-num-batched-tokens", "16")
-BY_LAYER = ("--mooncake-layer-writes", "on", *CHUNKED)
+BY_LAYER = ("--kv-layer-writes", "on", *CHUNKED)
 PROMPTS = ["the quick brown fox", "a" * 150, "tandem " * 30]
 
 

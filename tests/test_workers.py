@@ -32,7 +32,8 @@ from worker_fixtures import (
 )
 
 from engine.sampling_params import SamplingParams
-from kv_transfer.torch_transport import make_group, transfer_tag
+from kv_transfer.torch_frames import done_frame, payload_frame
+from kv_transfer.torch_pair import PAYLOAD_TAG, make_group
 from rpc.protos import worker_pb2
 from tandem.cluster import LocalCluster
 
@@ -270,7 +271,8 @@ async def test_abort_during_grpc_transfer_frees_reservation(workers, gw):
 
 
 class TorchPeer:
-    """The test process as the prefill end of a torch transfer group."""
+    """The test process as the prefill end of a torch transfer group: the
+    group, its KVFrames stream, and WriteKV control streams."""
 
     def __init__(self, gw: Gateway, decode: Worker) -> None:
         self.gw, self.decode = gw, decode
@@ -288,23 +290,35 @@ class TorchPeer:
             group_name=name,
         ), timeout=30)
         self.group = await building
+        self.frames = self.gw.stub(self.decode).KVFrames()
+        await self.frames.write(worker_pb2.KVFrame(open=worker_pb2.KVFramesOpen(
+            prefill_worker_id=self.worker_id, group_name=name)))
 
-    def expect(self, ticket: worker_pb2.Ticket):
-        return asyncio.ensure_future(self.gw.stub(self.decode).ExpectKV(
-            worker_pb2.ExpectKVRequest(
-                request_id=ticket.request_id, prefill_worker_id=self.worker_id,
-                layout=ticket.layout, num_blocks=len(ticket.block_ids), attempt=ticket.attempt,
-            ), timeout=30))
+    async def begin(self, ticket: worker_pb2.Ticket):
+        """A WriteKV stream, begun (its first answer is "ready" or an error)."""
+        call = self.gw.stub(self.decode).WriteKV(timeout=30)
+        await call.write(worker_pb2.WriteKVMessage(begin=worker_pb2.WriteKVBegin(
+            request_id=ticket.request_id, prefill_worker_id=self.worker_id,
+            layout=ticket.layout, num_blocks=len(ticket.block_ids), attempt=ticket.attempt,
+            transport="torch")))
+        return call
 
-    async def send(self, ticket: worker_pb2.Ticket) -> float:
-        """Send the ticket's worth of KV (zeros); seconds until the send ended."""
+    async def payload(self, ticket: worker_pb2.Ticket, layer: int, first: int, n: int) -> None:
+        """Announce and send ``n`` blocks of ``layer`` (-1: all) of KV (ones)."""
         lay = ticket.layout
-        data = torch.zeros(lay.num_layers, 2, len(ticket.block_ids), lay.block_size,
-                           lay.num_kv_heads, lay.head_dim)
-        start = time.monotonic()
+        layers = (lay.num_layers,) if layer < 0 else ()
+        data = torch.ones(*layers, 2, n, lay.block_size, lay.num_kv_heads, lay.head_dim)
+        await self.frames.write(payload_frame(ticket.request_id, ticket.attempt, layer, first,
+                                              n))
         await asyncio.get_running_loop().run_in_executor(
-            None, lambda: self.group.send([data], 1, transfer_tag(ticket.request_id)).wait())
-        return time.monotonic() - start
+            None, lambda: self.group.send([data], 1, PAYLOAD_TAG).wait())
+
+    async def finish(self, ticket: worker_pb2.Ticket, call) -> worker_pb2.WriteKVReply:
+        await self.frames.write(done_frame(ticket.request_id, ticket.attempt))
+        await call.write(worker_pb2.WriteKVMessage(done=worker_pb2.WriteKVDone(
+            num_blocks=len(ticket.block_ids))))
+        await call.done_writing()
+        return await call.read()
 
 
 async def test_abort_during_torch_transfer_keeps_the_pair_usable(workers, gw):
@@ -313,31 +327,66 @@ async def test_abort_during_torch_transfer_keeps_the_pair_usable(workers, gw):
     peer = TorchPeer(gw, decode)
     await peer.open()
 
-    # Aborted before the KV is announced: the decode worker refuses it, yet
-    # takes the bytes, so the send ends at once instead of timing out.
+    # Aborted before the transfer begins: refused, and nothing is sent.
     ticket = await gw.reserve(decode, "tt-early", unique_prompt(100), sp)
+    num_layers = ticket.layout.num_layers
     assert await gw.abort(decode, "tt-early")
-    expect = peer.expect(ticket)
-    assert await peer.send(ticket) < 10
-    err = await rpc_error(expect)
+    call = await peer.begin(ticket)
+    err = await rpc_error(call.read())
     assert err.code() == StatusCode.NOT_FOUND and "no reservation" in err.details()
 
-    # Aborted while the decode worker waits for the bytes.
+    # Aborted while the payloads arrive: the rest are received and dropped.
     ticket = await gw.reserve(decode, "tt-mid", unique_prompt(100), sp)
-    expect = peer.expect(ticket)
-    await asyncio.sleep(0.3)
+    call = await peer.begin(ticket)
+    assert (await call.read()).ready
+    await peer.payload(ticket, 0, 0, len(ticket.block_ids))
     assert await gw.abort(decode, "tt-mid")
-    await peer.send(ticket)
-    err = await rpc_error(expect)
+    for layer in range(1, num_layers):
+        await peer.payload(ticket, layer, 0, len(ticket.block_ids))
+    err = await rpc_error(peer.finish(ticket, call))
     assert err.code() == StatusCode.NOT_FOUND, err.details()
     await gw.wait_idle(workers.all)
 
-    # The pair still works.
-    ticket = await gw.reserve(decode, "tt-ok", unique_prompt(100), sp)
-    expect = peer.expect(ticket)
-    await peer.send(ticket)
-    assert (await expect).bytes_received > 0
-    assert await gw.abort(decode, "tt-ok")
+    # A layer missing: refused at done, with what landed.
+    ticket = await gw.reserve(decode, "tt-short", unique_prompt(100), sp)
+    n = len(ticket.block_ids)
+    call = await peer.begin(ticket)
+    assert (await call.read()).ready
+    for layer in range(num_layers - 1):
+        await peer.payload(ticket, layer, 0, n)
+    err = await rpc_error(peer.finish(ticket, call))
+    assert err.code() == StatusCode.INVALID_ARGUMENT
+    assert f"written by layer: {[n] * (num_layers - 1) + [0]}" in err.details()
+    assert await gw.abort(decode, "tt-short")
+
+    # Blocks outside the reservation: refused at done.
+    ticket = await gw.reserve(decode, "tt-out", unique_prompt(100), sp)
+    call = await peer.begin(ticket)
+    assert (await call.read()).ready
+    await peer.payload(ticket, -1, 1, len(ticket.block_ids))
+    err = await rpc_error(peer.finish(ticket, call))
+    assert err.code() == StatusCode.INVALID_ARGUMENT and "outside the" in err.details()
+    assert await gw.abort(decode, "tt-out")
+    await gw.wait_idle(workers.all)
+
+    # The pair still works: all layers at once, then layer by layer in two halves.
+    for rid in ("tt-ok", "tt-layers"):
+        ticket = await gw.reserve(decode, rid, unique_prompt(100), sp)
+        n = len(ticket.block_ids)
+        call = await peer.begin(ticket)
+        assert (await call.read()).ready
+        if rid == "tt-ok":
+            await peer.payload(ticket, -1, 0, n)
+        else:
+            for layer in range(num_layers):
+                await peer.payload(ticket, layer, 0, n // 2)
+            for layer in range(num_layers):
+                await peer.payload(ticket, layer, n // 2, n - n // 2)
+        reply = await peer.finish(ticket, call)
+        lay = ticket.layout
+        assert reply.bytes_received == (num_layers * 2 * n * lay.block_size * lay.num_kv_heads
+                                        * lay.head_dim * 4)
+        assert await gw.abort(decode, rid)
     await gw.wait_idle(workers.all)
 
 

@@ -106,17 +106,17 @@ class WorkerBase:
     async def receive_grpc(self, chunks: AsyncIterator[worker_pb2.KVChunk]) -> int:
         raise self._unimplemented("PushKV")
 
-    async def receive_torch(self, req: worker_pb2.ExpectKVRequest) -> int:
-        raise self._unimplemented("ExpectKV")
-
     async def open_group(self, req: worker_pb2.OpenTransferGroupRequest) -> None:
         raise self._unimplemented("OpenTransferGroup")
+
+    async def receive_frames(self, frames: AsyncIterator[worker_pb2.KVFrame]) -> None:
+        raise self._unimplemented("KVFrames")
 
     async def receive_preflight(self, chunks: AsyncIterator[worker_pb2.PreflightChunk]) -> int:
         raise self._unimplemented("Preflight")
 
-    async def receive_mooncake(self, messages: AsyncIterator[worker_pb2.WriteKVMessage],
-                               ) -> AsyncIterator[worker_pb2.WriteKVReply]:
+    async def receive_writes(self, messages: AsyncIterator[worker_pb2.WriteKVMessage],
+                             ) -> AsyncIterator[worker_pb2.WriteKVReply]:
         raise self._unimplemented("WriteKV")
         yield  # NOTE: unreachable; makes this an async generator like a role's own
 

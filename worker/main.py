@@ -79,11 +79,13 @@ def parser(description: str, roles: list[str]) -> argparse.ArgumentParser:
                    help="the mooncake transport's protocol: tcp anywhere, rdma with an RDMA NIC")
     g.add_argument("--mooncake-device", default="",
                    help="RDMA NIC(s) for --mooncake-protocol rdma, e.g. mlx5_0 (default: any)")
-    g.add_argument("--mooncake-layer-writes", default="auto", choices=["auto", "on", "off"],
-                   help="on: a prefill worker writes each layer's KV over mooncake as soon as "
-                        "the layer computed it, overlapping the later layers' compute; off: "
-                        "one write when the prompt is done; auto (default): on when the KV "
-                        "cache is on a GPU (on a CPU the writes would share its cores)")
+    g.add_argument("--kv-layer-writes", "--mooncake-layer-writes", dest="kv_layer_writes",
+                   default="auto", choices=["auto", "on", "off"],
+                   help="on: over mooncake or torch, a prefill worker sends each layer's KV "
+                        "as soon as the layer computed it, overlapping the later layers' "
+                        "compute; off: one send when the prompt is done; auto (default): on "
+                        "when the KV cache is on a GPU (on a CPU the sends would share its "
+                        "cores). --mooncake-layer-writes is its older name")
     g.add_argument("--mooncake-cores", default=None, metavar="LIST",
                    help="run the mooncake engine's threads on these cores only, e.g. a spare "
                         "core beside --cpu-cores (default: wherever this worker may run; on "
@@ -134,7 +136,7 @@ def run(make_worker: WorkerFactory, description: str, roles: list[str],
         args.transports = TransportConfig.parse(
             args.transport, host=args.advertise_host or args.host,
             mooncake_protocol=args.mooncake_protocol, mooncake_device=args.mooncake_device,
-            mooncake_layer_writes=args.mooncake_layer_writes,
+            kv_layer_writes=args.kv_layer_writes,
             mooncake_cores=_mooncake_cores(args))
     except ValueError as exc:
         p.error(str(exc))

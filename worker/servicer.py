@@ -45,19 +45,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         received = await self.worker.receive_grpc(request_iterator)
         return worker_pb2.PushKVResponse(bytes_received=received)
 
-    async def ExpectKV(self, request, context):
-        request_id_var.set(request.request_id)
-        received = await self.worker.receive_torch(request)
-        return worker_pb2.PushKVResponse(bytes_received=received)
-
     async def OpenTransferGroup(self, request, context):
         await self.worker.open_group(request)
         return worker_pb2.OpenTransferGroupResponse()
+
+    async def KVFrames(self, request_iterator, context):
+        await self.worker.receive_frames(request_iterator)
+        return
+        yield  # NOTE: unreachable; a bidirectional stream that answers nothing
 
     async def Preflight(self, request_iterator, context):
         received = await self.worker.receive_preflight(request_iterator)
         return worker_pb2.PushKVResponse(bytes_received=received)
 
     async def WriteKV(self, request_iterator, context):
-        async for reply in self.worker.receive_mooncake(request_iterator):
+        async for reply in self.worker.receive_writes(request_iterator):
             yield reply

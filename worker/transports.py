@@ -32,9 +32,9 @@ class TransportConfig:
     host: str = "127.0.0.1"  # where peers reach this worker's transfer engine
     mooncake_protocol: str = "tcp"
     mooncake_device: str = ""  # RDMA NIC name(s) for protocol rdma, e.g. "mlx5_0"
-    # A prefill worker writes each layer's KV while later layers compute:
-    # "on", "off", or "auto" (on when the KV cache is on a GPU).
-    mooncake_layer_writes: str = "auto"
+    # A prefill worker sends each layer's KV (mooncake, torch) while later
+    # layers compute: "on", "off", or "auto" (on when the KV cache is on a GPU).
+    kv_layer_writes: str = "auto"
     # Where the mooncake engine's threads run (--mooncake-cores;
     # kv_transfer/mooncake_endpoint.py). Empty: wherever the worker may run.
     mooncake_cores: tuple[int, ...] = ()
@@ -47,9 +47,9 @@ class TransportConfig:
                 raise ValueError(f"unknown transport {name!r}; choose from {TRANSPORTS}")
         if len(set(self.order)) != len(self.order):
             raise ValueError(f"--transport names a transport twice: {','.join(self.order)}")
-        if self.mooncake_layer_writes not in ("auto", "on", "off"):
-            raise ValueError(f"--mooncake-layer-writes must be auto, on or off, "
-                             f"got {self.mooncake_layer_writes!r}")
+        if self.kv_layer_writes not in ("auto", "on", "off"):
+            raise ValueError(f"--kv-layer-writes must be auto, on or off, "
+                             f"got {self.kv_layer_writes!r}")
         if self.mooncake_protocol not in PROTOCOLS:
             raise ValueError(f"--mooncake-protocol must be one of {PROTOCOLS}, "
                              f"got {self.mooncake_protocol!r}")
@@ -97,8 +97,8 @@ class Transports:
         return self.started[0]
 
     def layer_writes(self, device) -> bool:
-        """Whether mooncake writes by layer for a KV cache on ``device``."""
-        mode = self.config.mooncake_layer_writes
+        """Whether mooncake and torch send by layer for a KV cache on ``device``."""
+        mode = self.config.kv_layer_writes
         return mode == "on" or (mode == "auto" and device.type == "cuda")
 
     def fallback(self, wanted: str, reason: str, usable) -> str:

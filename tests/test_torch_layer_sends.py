@@ -1,0 +1,162 @@
+"""The torch KV transport layer by layer (``--kv-layer-writes on``) between
+real worker processes over gloo: a chunked prompt's KV goes out one payload
+per layer per chunk, each after that layer computed it (the trace shows
+it); the decode worker continues exactly as a colocated one, also with
+several requests streaming through the pair's one frame channel at once;
+an abort at any moment of it leaks nothing, and the pair keeps working; a
+decode worker killed mid-transfer costs the prefill worker nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+
+import grpc
+import pytest
+from gateway_fixtures import sigkill, tiny_model, wait_blocks_free, wait_until
+from worker_fixtures import Gateway, metric, params, scrape, start_worker_set
+
+from rpc.tracing import read_trace_file
+from tandem.cluster import LocalCluster
+
+NUM_BLOCKS = 96
+TORCH = ("--transport", "torch,grpc")
+# 16-token chunks: a prompt's KV leaves over several steps, layer by layer.
+BY_LAYER = ("--kv-layer-writes", "on", "--long-prefill-token-threshold", "16",
+            "--max-num-batched-tokens", "16")
+
+
+@pytest.fixture(scope="module")
+def trace_file(tmp_path_factory):
+    return tmp_path_factory.mktemp("traces") / "spans.jsonl"
+
+
+@pytest.fixture(scope="module")
+def cluster(trace_file):
+    with LocalCluster(env={"TANDEM_TRACE_FILE": str(trace_file)}) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def workers(cluster):
+    """A prefill worker sending by layer, a decode worker, and a colocated one."""
+    return start_worker_set(cluster, [("prefill", (*TORCH, *BY_LAYER)), ("decode", TORCH),
+                                      ("both", ())], tiny_model(), NUM_BLOCKS, metrics=True)
+
+
+async def test_layer_sends_follow_the_chunks_in_the_trace(workers, trace_file):
+    """A 100-token prompt in 7 chunks: one payload per layer per chunk, each
+    one block further and after that layer computed it, all under the
+    transfer's span; the decode worker continues as the colocated one."""
+    prefill, decode, both = workers
+    prompt, p = list(range(3, 103)), params(max_tokens=6, temperature=0.0, ignore_eos=True)
+    async with Gateway() as gw:
+        out = await gw.disaggregated(prefill, decode, "traced", prompt, p, "torch")
+        local = await gw.decode(both, "traced-local", p, prompt=prompt)
+    assert out.token_ids == local.token_ids and len(out.token_ids) == 6
+
+    def named(name: str) -> list[dict]:
+        return [s for s in read_trace_file(trace_file) if s["name"] == name]
+
+    def send() -> dict | None:
+        return next((s for s in named("kv_transfer.send")
+                     if s["attributes"]["request_id"] == "traced"), None)
+
+    span = wait_until(send, 20, "the transfer's span")
+    assert span["attributes"]["transport"] == "torch"
+    sends = [s for s in named("kv_transfer.layer_send") if s["trace_id"] == span["trace_id"]]
+    computed = [s for s in named("prefill.layer") if s["trace_id"] == span["trace_id"]]
+    assert {s["parent_id"] for s in sends + computed} == {span["span_id"]}
+    for layer in range(2):  # the tiny model's layers
+        mine = sorted((s for s in sends if s["attributes"]["layer"] == layer),
+                      key=lambda s: s["start"])
+        assert [s["attributes"]["blocks_upto"] for s in mine] == list(range(1, 8))
+        done = sorted(s["end"] for s in computed if s["attributes"]["layer"] == layer)
+        assert len(done) == 7 and all(w["start"] >= end for w, end in zip(mine, done))
+    wait_blocks_free([prefill, decode])
+
+
+async def test_requests_interleaved_on_the_pair_match_colocated(workers):
+    """Six prompts at once: their layers' payloads interleave on the pair's
+    one frame channel, and each lands in its own blocks."""
+    prefill, decode, both = workers
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 250) for _ in range(n)] for n in (20, 100, 47, 130, 64, 9)]
+    p = params(max_tokens=5, temperature=0.0, ignore_eos=True)
+    async with Gateway() as gw:
+        outs = await asyncio.gather(*(
+            gw.disaggregated(prefill, decode, f"many-{i}", prompt, p, "torch")
+            for i, prompt in enumerate(prompts)))
+        for i, (prompt, out) in enumerate(zip(prompts, outs)):
+            local = await gw.decode(both, f"many-local-{i}", p, prompt=prompt)
+            assert out.token_ids == local.token_ids, i
+    sent = scrape(prefill.metrics_port)
+    assert metric(sent, "tandem:kv_transport_fallbacks_total") is None
+    assert metric(sent, "tandem:kv_transfer_bytes_total", transport="torch",
+                  direction="send") > 0
+    wait_blocks_free([prefill, decode])
+
+
+async def test_aborts_mid_stream_leak_nothing_and_the_pair_goes_on(workers):
+    """Abort requests at random moments while their layers stream: every
+    block comes back on both sides, and the next transfer still works."""
+    prefill, decode, both = workers
+    rng = random.Random("torch-layers")
+    p = params(max_tokens=4, temperature=0.0, ignore_eos=True)
+    async with Gateway() as gw:
+
+        async def one(i: int) -> None:
+            rid = f"abort-{i}"
+            prompt = [rng.randrange(3, 250) for _ in range(rng.choice([30, 120, 200]))]
+            ticket = await gw.reserve(decode, rid, prompt, p)
+            call = asyncio.ensure_future(gw.prefill(prefill, rid, prompt, p, ticket, "torch"))
+            await asyncio.sleep(rng.uniform(0, 0.3))
+            await gw.abort(prefill, rid)
+            await gw.abort(decode, rid)
+            await asyncio.gather(call, return_exceptions=True)
+
+        await asyncio.gather(*(one(i) for i in range(8)))
+        await gw.wait_idle([prefill, decode], timeout=30)
+        prompt = list(range(7, 90))
+        out = await gw.disaggregated(prefill, decode, "after", prompt, p, "torch")
+        local = await gw.decode(both, "after-local", p, prompt=prompt)
+        assert out.token_ids == local.token_ids
+    wait_blocks_free([prefill, decode])
+
+
+async def test_decode_killed_mid_transfer_frees_the_prefill_blocks(cluster, workers):
+    """A decode worker that already shares a pair with the prefill worker is
+    stopped, then killed while a transfer waits on it: the transfer fails
+    with a status the gateway retries, the prefill worker holds nothing,
+    and its transfers to other decode workers go on."""
+    prefill, decode, both = workers
+    victim = start_worker_set(cluster, [("decode", TORCH)], tiny_model(), NUM_BLOCKS)[0]
+    prompt, p = list(range(3, 200)), params(max_tokens=4, temperature=0.0, ignore_eos=True)
+    async with Gateway() as gw:
+        await gw.disaggregated(prefill, victim, "before-kill", prompt, p, "torch")
+        ticket = await gw.reserve(victim, "killed-mid", prompt, p)
+        victim.proc.popen.send_signal(signal.SIGSTOP)
+        call = asyncio.ensure_future(gw.prefill(prefill, "killed-mid", prompt, p, ticket,
+                                                "torch"))
+
+        async def in_transfer() -> bool:  # computed, blocks held, nothing running
+            i = await gw.info(prefill)
+            return i.free_blocks < i.num_blocks and not i.num_running and not i.num_waiting
+
+        for _ in range(400):
+            if await in_transfer():
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the prefill worker never reached the transfer")
+        assert not call.done()
+        sigkill(victim)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await asyncio.wait_for(call, 30)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
+        out = await gw.disaggregated(prefill, decode, "after-kill", prompt, p, "torch")
+        local = await gw.decode(both, "after-kill-local", p, prompt=prompt)
+        assert out.token_ids == local.token_ids
+    wait_blocks_free([prefill, decode])

@@ -1,7 +1,7 @@
 """Time to first token and decode speed, disaggregated against colocated.
 
     PYTHONPATH=. python benchmarks/disagg_latency.py [--lengths 128 512 2048] [--requests 4]
-        [--max-tokens 16] [--transports grpc torch mooncake mooncake-layers]
+        [--max-tokens 16] [--transports grpc torch torch-layers mooncake mooncake-layers]
         [--model DIR_OR_GGUF] [--kv-cache-gib 0.5] [--no-pin]
 
 The model is the bundled SmolLM2-135M unless --model says otherwise (its
@@ -14,8 +14,8 @@ machine's load hits them alike; only one request runs at a time):
     /-mooncake              transport, torch.distributed (gloo on the CPU), or
                             the Mooncake engine (tcp; on a CPU one write when
                             the prompt is done, the default there)
-    disagg-mooncake-layers  the same, from a second prefill worker started with
-                            --mooncake-layer-writes on: each layer written
+    disagg-torch-layers     torch or mooncake, from a second prefill worker
+    /-mooncake-layers       started with --kv-layer-writes on: each layer sent
                             while the later layers compute
 
 Cores: as ``tandem up`` deals them, the prefill and the decode worker each
@@ -67,7 +67,7 @@ from tandem.cluster import LocalCluster  # noqa: E402
 LOW_TOKEN = 100
 LEASE_MS = 600_000
 WARMUP_TOKENS = 32
-TRANSPORTS = ["grpc", "torch", "mooncake", "mooncake-layers"]
+TRANSPORTS = ["grpc", "torch", "torch-layers", "mooncake", "mooncake-layers"]
 
 
 @dataclass
@@ -193,13 +193,14 @@ def main() -> None:
         both = cluster.start("both", [*model_args, *pin_prefill]).address
         prefill = cluster.start("prefill", [*model_args, *moon, *pin_prefill]).address
         decode = cluster.start("decode", [*model_args, *moon, *pin_decode]).address
+        layers = any(t.endswith("-layers") for t in args.transports)
         by_layer = cluster.start("prefill", [*model_args, *moon, *pin_prefill,
-                                             "--mooncake-layer-writes", "on"]
-                                 ).address if "mooncake-layers" in args.transports else None
+                                             "--kv-layer-writes", "on"]
+                                 ).address if layers else None
 
         def disagg(transport: str):
-            worker = by_layer if transport == "mooncake-layers" else prefill
-            wire = "mooncake" if transport == "mooncake-layers" else transport
+            worker = by_layer if transport.endswith("-layers") else prefill
+            wire = transport.removesuffix("-layers")
             return lambda gw, p: gw.disaggregated(worker, decode, p, params, wire)
 
         arms = {"colocated": lambda gw, p: gw.colocated(both, p, params)}

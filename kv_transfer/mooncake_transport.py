@@ -36,7 +36,13 @@ from kv_transfer.base import PREFLIGHT_BYTES, KVSender
 from kv_transfer.layout import KVLayout, TransferStats
 from kv_transfer.mooncake_endpoint import MooncakeEndpoint
 from kv_transfer.mooncake_layers import LayerWrites
-from kv_transfer.write_stream import Written, guarded, write_stream
+from kv_transfer.write_stream import (
+    Written,
+    blocks_now,
+    guarded,
+    source_blocks,
+    write_stream,
+)
 from rpc.errors import PermissionDenied, Unavailable
 from rpc.pool import ChannelPool
 from rpc.protos import worker_pb2
@@ -76,9 +82,7 @@ class MooncakeSender(KVSender):
 
     async def send(self, request_id, ticket, src_block_ids) -> TransferStats:
         self._check(ticket, len(src_block_ids))
-        blocks = asyncio.get_running_loop().create_future()
-        blocks.set_result((list(src_block_ids), None))
-        return await self.send_when(request_id, ticket, blocks)
+        return await self.send_when(request_id, ticket, blocks_now(src_block_ids))
 
     async def send_when(self, request_id: str, ticket: worker_pb2.Ticket,
                         blocks: asyncio.Future) -> TransferStats:
@@ -96,11 +100,7 @@ class MooncakeSender(KVSender):
             self.endpoint.write(peer, *segments)
 
         async def write() -> Written:
-            src, event = await blocks
-            started = time.perf_counter()
-            if len(src) != len(ticket.block_ids):
-                raise ValueError(f"{len(src)} source blocks for a ticket of "
-                                 f"{len(ticket.block_ids)}")
+            src, event, started = await source_blocks(blocks, ticket)
             segments = self.endpoint.segments(ticket.mooncake, src, list(ticket.block_ids))
             with _tracer.start_as_current_span("kv_transfer.write", attributes={
                     "bytes": sum(segments[2]), "segments": len(segments[2])}):

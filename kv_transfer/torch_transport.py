@@ -40,7 +40,13 @@ from kv_transfer.layout import KVLayout, TransferStats
 from kv_transfer.torch_frames import FrameChannel, done_frame, payload_frame
 from kv_transfer.torch_layers import LayerSends
 from kv_transfer.torch_pair import PREFLIGHT_TAG, TIMEOUT, PairGroup, make_group
-from kv_transfer.write_stream import Written, guarded, write_stream
+from kv_transfer.write_stream import (
+    Written,
+    blocks_now,
+    guarded,
+    source_blocks,
+    write_stream,
+)
 from rpc.errors import peer_error
 from rpc.pool import ChannelPool
 from rpc.protos import worker_pb2, worker_pb2_grpc
@@ -137,9 +143,7 @@ class TorchSender(KVSender):
     # ---- every layer in one payload ---------------------------------------------------------
 
     async def send(self, request_id, ticket, src_block_ids) -> TransferStats:
-        blocks = asyncio.get_running_loop().create_future()
-        blocks.set_result((list(src_block_ids), None))
-        return await self.send_when(request_id, ticket, blocks)
+        return await self.send_when(request_id, ticket, blocks_now(src_block_ids))
 
     async def send_when(self, request_id: str, ticket: worker_pb2.Ticket,
                         blocks: asyncio.Future) -> TransferStats:
@@ -151,11 +155,7 @@ class TorchSender(KVSender):
         sending = []
 
         async def write() -> Written:
-            src, event = await blocks
-            started = time.perf_counter()
-            if len(src) != len(ticket.block_ids):
-                raise ValueError(f"{len(src)} source blocks for a ticket of "
-                                 f"{len(ticket.block_ids)}")
+            src, event, started = await source_blocks(blocks, ticket)
 
             def read():
                 if event is not None:

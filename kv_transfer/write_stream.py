@@ -67,6 +67,24 @@ async def write_stream(channels: ChannelPool, worker_id: str, layout: KVLayout, 
     return TransferStats(transport, reply.bytes_received, time.perf_counter() - start, extra)
 
 
+def blocks_now(src_block_ids: list[int]) -> asyncio.Future:
+    """What ``send_when`` takes, for blocks already computed: resolved."""
+    blocks = asyncio.get_running_loop().create_future()
+    blocks.set_result((list(src_block_ids), None))
+    return blocks
+
+
+async def source_blocks(blocks: asyncio.Future, ticket: worker_pb2.Ticket,
+                        ) -> tuple[list[int], object, float]:
+    """A ``send_when``'s source blocks, once ready: their ids, the CUDA event
+    to wait for (or None), and when they were ready (perf_counter)."""
+    src, event = await blocks
+    started = time.perf_counter()
+    if len(src) != len(ticket.block_ids):
+        raise ValueError(f"{len(src)} source blocks for a ticket of {len(ticket.block_ids)}")
+    return src, event, started
+
+
 async def guarded(transfer_coro) -> TransferStats:
     """Run a transfer; cancelled, it is cancelled too, and this returns
     only once it is over (its ``stop`` waits for the sends in flight).

@@ -380,3 +380,32 @@ def module_cluster(num_blocks: int, roles: Iterable[str] = ("prefill", "decode")
         wait_blocks_free(workers)
 
     return cluster, workers, gateway, no_leaks
+
+
+def assert_layer_spans(trace_file: Path, request_id: str, span_name: str, num_layers: int,
+                       num_chunks: int) -> dict:
+    """The trace of a prompt sent layer by layer in ``num_chunks`` chunks:
+    one ``span_name`` span per layer per chunk, each one block further and
+    starting after that layer computed it (``prefill.layer``), all children
+    of the transfer's span, which this returns."""
+    from rpc.tracing import read_trace_file
+
+    def named(name: str) -> list[dict]:
+        return [s for s in read_trace_file(trace_file) if s["name"] == name]
+
+    def send() -> dict | None:
+        return next((s for s in named("kv_transfer.send")
+                     if s["attributes"]["request_id"] == request_id), None)
+
+    span = wait_until(send, 20, "the transfer's span")
+    sends = [s for s in named(span_name) if s["trace_id"] == span["trace_id"]]
+    computed = [s for s in named("prefill.layer") if s["trace_id"] == span["trace_id"]]
+    assert {s["parent_id"] for s in sends + computed} == {span["span_id"]}
+    for layer in range(num_layers):
+        mine = sorted((s for s in sends if s["attributes"]["layer"] == layer),
+                      key=lambda s: s["start"])
+        assert [s["attributes"]["blocks_upto"] for s in mine] == list(range(1, num_chunks + 1))
+        done = sorted(s["end"] for s in computed if s["attributes"]["layer"] == layer)
+        assert len(done) == num_chunks
+        assert all(w["start"] >= end for w, end in zip(mine, done))
+    return span

@@ -20,6 +20,7 @@ import signal
 import grpc
 import pytest
 from gateway_fixtures import (
+    assert_layer_spans,
     info,
     sigkill,
     start_gateway,
@@ -30,7 +31,6 @@ from gateway_fixtures import (
 )
 from worker_fixtures import Gateway, metric, params, refused_start, scrape, start_worker
 
-from rpc.tracing import read_trace_file
 from tandem.cluster import LocalCluster
 
 pytest.importorskip("mooncake.engine", reason="the mooncake wheel or its RDMA libraries "
@@ -260,23 +260,7 @@ async def test_layer_writes_follow_the_chunks_in_the_trace(workers, by_layer, tr
         local = await gw.decode(both, "traced-local", p, prompt=prompt)
     assert out.token_ids == local.token_ids and len(out.token_ids) == 6
 
-    def named(name: str) -> list[dict]:
-        return [s for s in read_trace_file(trace_file) if s["name"] == name]
-
-    def send() -> dict | None:
-        return next((s for s in named("kv_transfer.send")
-                     if s["attributes"]["request_id"] == "traced"), None)
-
-    span = wait_until(send, 20, "the transfer's span")
-    writes = [s for s in named("kv_transfer.layer_write") if s["trace_id"] == span["trace_id"]]
-    computed = [s for s in named("prefill.layer") if s["trace_id"] == span["trace_id"]]
-    assert {s["parent_id"] for s in writes + computed} == {span["span_id"]}
-    for layer in range(2):  # the tiny model's layers
-        mine = sorted((s for s in writes if s["attributes"]["layer"] == layer),
-                      key=lambda s: s["start"])
-        assert [s["attributes"]["blocks_upto"] for s in mine] == list(range(1, 8))
-        done = sorted(s["end"] for s in computed if s["attributes"]["layer"] == layer)
-        assert len(done) == 7 and all(w["start"] >= end for w, end in zip(mine, done))
+    assert_layer_spans(trace_file, "traced", "kv_transfer.layer_write", 2, 7)
     wait_blocks_free([by_layer, decode])
 
 
@@ -348,17 +332,7 @@ async def test_decode_killed_mid_transfer_frees_the_prefill_blocks(cluster, work
         victim.proc.popen.send_signal(signal.SIGSTOP)
         call = asyncio.ensure_future(gw.prefill(prefill, "killed-mid", prompt, p, ticket,
                                                 "mooncake"))
-
-        async def in_transfer() -> bool:  # computed, blocks held, nothing running
-            i = await gw.info(prefill)
-            return i.free_blocks < i.num_blocks and not i.num_running and not i.num_waiting
-
-        for _ in range(400):
-            if await in_transfer():
-                break
-            await asyncio.sleep(0.05)
-        else:
-            raise AssertionError("the prefill worker never reached the transfer")
+        await gw.wait_in_transfer(prefill)
         assert not call.done()
         sigkill(victim)
         with pytest.raises(grpc.aio.AioRpcError) as err:

@@ -175,6 +175,17 @@ class Gateway:
         return (await self.stub(w).Abort(worker_pb2.AbortRequest(request_id=request_id),
                                          timeout=10)).found
 
+    async def wait_in_transfer(self, prefill: Worker, timeout: float = 20.0) -> None:
+        """Until ``prefill`` has computed a prompt and holds its blocks for a
+        transfer: blocks in use, nothing running or waiting."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            i = await self.info(prefill)
+            if i.free_blocks < i.num_blocks and not i.num_running and not i.num_waiting:
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError("the prefill worker never reached the transfer")
+
     async def wait_idle(self, workers: Iterable[Worker], timeout: float = 15.0) -> None:
         """Until every block of every worker is free and nothing runs or
         waits there; fails with the last Info of each worker otherwise."""

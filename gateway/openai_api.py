@@ -156,7 +156,7 @@ def build_app(service: GatewayService) -> FastAPI:
             token_lists = [await service.off_loop(service.tokenize_prompt, p) for p in prompts]
         constraint = constraint_of(body)
         # echo with logprobs: the prompt's tokens get theirs too.
-        prompt_logprobs = body.logprobs if body.echo else None
+        prompt_logprobs = body.prompt_logprobs_with(body.logprobs if body.echo else None)
         params = [body.sampling(
             body.max_tokens if body.max_tokens is not None else service.default_max_tokens(t),
             body.logprobs, prompt_logprobs, structured_outputs=constraint) for t in token_lists]
@@ -166,7 +166,8 @@ def build_app(service: GatewayService) -> FastAPI:
         echo = [p if isinstance(p, str) else await service.off_loop(service.tokenizer.decode, p)
                 for p in prompts] if body.echo else None
         render = CompletionRenderer(service, rid, token_lists, params[0].n, body.logprobs or 0,
-                                     params[0].stop_token_ids, body.return_token_ids, echo)
+                                     params[0].stop_token_ids, body.return_token_ids, echo,
+                                     body.prompt_logprobs)
         return await _answer(render, _merge(service, rid, token_lists, params, span), body)
 
     @app.post("/v1/chat/completions")
@@ -190,11 +191,13 @@ def build_app(service: GatewayService) -> FastAPI:
         top = body.top_logprobs if body.logprobs else None
         if body.logprobs and top is None:
             top = 0
-        params = body.sampling(max_tokens, top, structured_outputs=constraint)
+        params = body.sampling(max_tokens, top, body.prompt_logprobs_with(),
+                               structured_outputs=constraint)
         service.check_request(tokens, params)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         render = ChatRenderer(service, rid, tokens, params.n, top or 0, tool_parser, names,
-                              params.stop_token_ids, body.return_token_ids)
+                              params.stop_token_ids, body.return_token_ids,
+                              body.prompt_logprobs)
         return await _answer(render, _merge(service, rid, [tokens], [params], span), body)
 
     return app

@@ -18,12 +18,16 @@ class Renderer:
 
     def __init__(self, service: GatewayService, rid: str, num_choices: int,
                  prompts: list[list[int]], stop_token_ids: Iterable[int] = (),
-                 return_token_ids: bool = False) -> None:
+                 return_token_ids: bool = False, prompt_logprobs: int | None = None) -> None:
         """``prompts``: each prompt's token ids. ``stop_token_ids``: the
         request's, to tell a stop token (an int in ``stop_reason``, as vLLM
         gives it) from a stop string. ``return_token_ids``: vLLM's, each
-        choice's token ids (and its prompt's) in the response."""
+        choice's token ids (and its prompt's) in the response.
+        ``prompt_logprobs``: vLLM's, the prompt's logprobs in a collected
+        response, with this many top tokens at each position."""
         self.service = service
+        self.prompt_logprobs = prompt_logprobs
+        self._scored: dict[int, list] = {}  # prompt -> its tokens' logprobs (TokenLogprobs)
         self.prompts = prompts
         self.stop_token_ids = frozenset(stop_token_ids)
         self.return_token_ids = return_token_ids
@@ -35,6 +39,8 @@ class Renderer:
         self.completion_tokens = 0
 
     def _account(self, prompt_index: int, chunk: Chunk) -> None:
+        if chunk.prompt_logprobs:
+            self._scored[prompt_index] = list(chunk.prompt_logprobs)
         self.completion_tokens += len(chunk.token_ids)
         if chunk.finish_reason:
             self.prompt_tokens[prompt_index] = chunk.prompt_tokens
@@ -55,6 +61,24 @@ class Renderer:
         if reason.isdigit() and int(reason) in self.stop_token_ids:
             return int(reason)
         return reason
+
+    def vllm_prompt_logprobs(self, p: int) -> list[dict | None]:
+        """Prompt ``p``'s logprobs as vLLM's ``prompt_logprobs``: per token
+        (the first None), its own and the ``prompt_logprobs`` most likely
+        tokens', by token id: logprob, rank in the vocabulary, text."""
+        out: list[dict | None] = [None]
+        for lp in self._scored.get(p, []):
+            entry = {str(lp.token_id): self._scored_token(lp.token_id, lp.logprob, lp.rank)}
+            for t, v, rank in zip(lp.top_token_ids, lp.top_logprobs, lp.top_ranks):
+                # NOTE: by rank: the engine may have kept more (an echo's logprobs).
+                if 0 < rank <= self.prompt_logprobs and str(t) not in entry:
+                    entry[str(t)] = self._scored_token(t, v, rank)
+            out.append(entry)
+        return out
+
+    def _scored_token(self, token_id: int, logprob: float, rank: int) -> dict:
+        return {"logprob": logprob, "rank": rank or None,
+                "decoded_token": self.token_text(token_id)}
 
     def token_text(self, token_id: int) -> str:
         return self.service.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -91,16 +115,15 @@ class Renderer:
 class CompletionRenderer(Renderer):
     def __init__(self, service, rid, prompts: list[list[int]], n: int, top_n: int,
                  stop_token_ids: Iterable[int] = (), return_token_ids: bool = False,
-                 echo: list[str] | None = None) -> None:
+                 echo: list[str] | None = None, prompt_logprobs: int | None = None) -> None:
         """``echo``: each prompt's text, put before its completions (with the
         prompt's logprobs, when asked: the first token's is None)."""
         super().__init__(service, rid, len(prompts) * n, prompts, stop_token_ids,
-                         return_token_ids)
+                         return_token_ids, prompt_logprobs)
         self.n = n
         self.top_n = top_n
         self.offsets: dict[int, int] = {}
         self.echo = echo
-        self._prompt_logprobs: dict[int, list] = {}  # prompt -> its tokens' logprobs
         self._heads: dict[int, tuple[dict, int]] = {}  # prompt -> its echoed logprobs
         self._started: set[int] = set()
 
@@ -108,8 +131,6 @@ class CompletionRenderer(Renderer):
         """A chunk's text and logprobs, the prompt's before them in the
         first chunk of each choice under ``echo``; and whether it is the
         choice's first chunk."""
-        if chunk.prompt_logprobs:
-            self._prompt_logprobs[p] = list(chunk.prompt_logprobs)
         first = choice not in self._started
         self._started.add(choice)
         if self.echo is None or not first:
@@ -130,7 +151,7 @@ class CompletionRenderer(Renderer):
         """The prompt's tokens as the first logprobs of its choices (the
         first token's logprob None), and the text offset after them."""
         ids = self.prompts[p]
-        scored = [None, *self._prompt_logprobs.get(p, [])]
+        scored = [None, *self._scored.get(p, [])]
         head: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         offset = 0
         for token, lp in zip(ids, scored + [None] * (len(ids) - len(scored))):
@@ -190,14 +211,19 @@ class CompletionRenderer(Renderer):
                 c.setdefault("prompt_token_ids", self.prompts[p])
                 c.setdefault("token_ids", []).extend(chunk.token_ids)
             self._extend(c, logprobs, chunk)
+        if self.prompt_logprobs is not None:
+            for index, c in choices.items():
+                c["prompt_logprobs"] = self.vllm_prompt_logprobs(index // self.n)
         return self._collected(choices, "text_completion")
 
 
 class ChatRenderer(Renderer):
     def __init__(self, service, rid, prompt: list[int], n: int, top_n: int, tool_parser=None,
                  tool_names: frozenset[str] | None = None,
-                 stop_token_ids: Iterable[int] = (), return_token_ids: bool = False) -> None:
-        super().__init__(service, rid, n, [prompt], stop_token_ids, return_token_ids)
+                 stop_token_ids: Iterable[int] = (), return_token_ids: bool = False,
+                 prompt_logprobs: int | None = None) -> None:
+        super().__init__(service, rid, n, [prompt], stop_token_ids, return_token_ids,
+                         prompt_logprobs)
         self.top_n = top_n
         # Finds tool calls in each choice's text (gateway/tool_parsers.py); None: no tools.
         self.tool_parser = tool_parser
@@ -274,4 +300,6 @@ class ChatRenderer(Renderer):
         body = self._collected(choices, "chat.completion")
         if self.return_token_ids:
             body["prompt_token_ids"] = self.prompts[0]
+        if self.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self.vllm_prompt_logprobs(0)
         return body

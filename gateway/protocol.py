@@ -58,6 +58,9 @@ class _Common(BaseModel):
     guided_grammar: str | None = None
     # vLLM's: the completion's token ids (and the prompt's) in the response.
     return_token_ids: bool = False
+    # vLLM's: each prompt token's logprob, with this many most likely tokens
+    # at its position, in the response; not with stream.
+    prompt_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
 
     def sampling(self, max_tokens: int, logprobs: int | None,
                  prompt_logprobs: int | None = None,
@@ -77,6 +80,15 @@ class _Common(BaseModel):
             logit_bias=self._logit_bias(), allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
         )
+
+    def prompt_logprobs_with(self, echoed: int | None = None) -> int | None:
+        """The engine's ``prompt_logprobs``: this request's, or ``echoed``
+        (an echo's with logprobs) if more."""
+        if self.prompt_logprobs is not None and self.stream:
+            raise InvalidField("prompt_logprobs", "prompt_logprobs are not available with "
+                                                  "stream: true")
+        asked = [n for n in (self.prompt_logprobs, echoed) if n is not None]
+        return max(asked) if asked else None
 
     def _logit_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:

@@ -73,7 +73,13 @@ def logprobs_to_proto(token_id: int, entry: dict[int, float] | None) -> common_p
     return common_pb2.TokenLogprobs(
         token_id=token_id, logprob=entry.get(token_id, 0.0),
         top_token_ids=[t for t, _ in top], top_logprobs=[v for _, v in top],
+        rank=_rank(entry.get(token_id)), top_ranks=[_rank(v) for _, v in top],
     )
+
+
+def _rank(value) -> int:
+    """An engine ``Logprob``'s rank; 0 for a plain float (or none)."""
+    return getattr(value, "rank", None) or 0
 
 
 def logprobs_from_proto(lp: common_pb2.TokenLogprobs) -> dict[int, float]:

@@ -1,8 +1,8 @@
 """vLLM's extensions of the OpenAI API, with the official ``openai`` client
 against a real gateway in front of a prefill and a decode worker:
 ``stop_reason``, ``logit_bias`` and ``allowed_token_ids``, ``echo`` with the
-prompt's logprobs, ``return_token_ids``, and the /tokenize, /detokenize,
-/version and /ping routes."""
+prompt's logprobs, ``return_token_ids``, ``prompt_logprobs``, and the
+/tokenize, /detokenize, /version and /ping routes."""
 
 from __future__ import annotations
 
@@ -133,3 +133,34 @@ def test_echo_puts_the_prompt_and_its_logprobs_first(client, tokenizer):
         assert choice.logprobs.text_offset[:len(ids)] == scored.text_offset[:len(ids)]
     assert by_ids.token_logprobs[0] is None
     assert by_ids.token_logprobs[1:] == pytest.approx(scored.token_logprobs[1:], rel=1e-5)
+
+
+def test_prompt_logprobs(client, tokenizer):
+    """vLLM's ``prompt_logprobs``: per prompt token (the first None) its own
+    logprob and rank and the N most likely tokens', by token id; the same
+    values as an echo's; in a chat response at the top; never streamed."""
+    ids = tokenizer.encode(PROMPT)
+    out = client.completions.create(model=SERVED, prompt=PROMPT, max_tokens=2, n=2,
+                                    extra_body={"prompt_logprobs": 2, "ignore_eos": True},
+                                    temperature=0)
+    echoed = client.completions.create(model=SERVED, prompt=PROMPT, max_tokens=1, echo=True,
+                                       logprobs=3, **GREEDY).choices[0].logprobs
+    for choice in out.choices:
+        scored = choice.model_extra["prompt_logprobs"]
+        assert len(scored) == len(ids) and scored[0] is None
+        for token, entry, value in zip(ids[1:], scored[1:], echoed.token_logprobs[1:]):
+            own = entry[str(token)]
+            assert own["logprob"] == pytest.approx(value, rel=1e-5)
+            assert own["decoded_token"] == tokenizer.decode([token])
+            # the top 2 by rank, the prompt token among them or beside them
+            others = sorted(e["rank"] for t, e in entry.items() if t != str(token))
+            assert own["rank"] >= 1 and others == [r for r in (1, 2) if r != own["rank"]]
+    chat = client.chat.completions.create(model=SERVED, messages=MESSAGES, max_tokens=2,
+                                          extra_body={"prompt_logprobs": 0}, temperature=0)
+    scored = chat.model_extra["prompt_logprobs"]
+    assert scored[0] is None and all(len(entry) == 1 for entry in scored[1:])
+    assert len(scored) == chat.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=SERVED, prompt=PROMPT, max_tokens=2, stream=True,
+                                  extra_body={"prompt_logprobs": 1})
+    assert "prompt_logprobs" in str(err.value)

@@ -1,7 +1,9 @@
 """Disaggregated workers with their KV caches on CUDA: a prefill worker hands
 each request's blocks to a decode worker, and the tokens are the offline
 engine's. gRPC bytes on one GPU; the ``torch`` transport over NCCL, which
-needs one GPU per worker (NCCL refuses two ranks on one device), on two.
+needs one GPU per worker (NCCL refuses two ranks on one device), on two:
+there it sends layer by layer (``--kv-layer-writes auto`` on a GPU), the
+five requests' payloads interleaved on the pair's frame channel.
 Skipped (not faked) without them. Part of ``benchmarks/gpu_checks.sh``.
 """
 

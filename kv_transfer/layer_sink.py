@@ -104,6 +104,8 @@ class LayerSink(ABC):
             event = torch.cuda.Event()
             event.record()
         with self._lock:
+            if self.closed:  # NOTE: again under the lock: ``close`` may have run meanwhile
+                return
             if self._started:
                 self.futures.append(self._submit(layer, lo, hi, plan, event))
             else:

@@ -175,8 +175,11 @@ class KVReceiver:
             pair.broken = True
             for r in self.reservations.values():
                 if r.pair is pair and not r.payloads_done.done():
-                    r.payloads_done.set_exception(Unavailable(
-                        f"the KV frames of prefill worker {sender!r} ended"))
+                    # NOTE: an error beside a result, not on the future: its
+                    # transfer may be gone, and nobody would read it.
+                    r.error = r.error or Unavailable(
+                        f"the KV frames of prefill worker {sender!r} ended")
+                    r.payloads_done.set_result(None)
 
     async def _payload(self, pair: PairGroup, p: worker_pb2.KVPayload) -> None:
         num_layers = self.layout.num_layers

@@ -3,12 +3,14 @@ worker sends over the pair's process group is first announced by a frame,
 so the decode worker posts its receives in the order of the sends.
 
 A pump on the event loop takes what the senders post (from the engine
-thread, layer by layer, or from the loop), writes its frame, then queues
-the send on the pair's thread without waiting for it; the pair's thread
-runs the sends in that order. A frame written is always followed by its
-payload: a payload the decode worker no longer wants is received and
-dropped there, so the two ends never fall out of step. If the stream or a
-send fails, the pair is broken, and what is queued fails with it.
+thread, layer by layer, or from the loop), has the pair's thread read the
+payload out of the cache, writes its frame, then queues the send on the
+pair's thread without waiting for it; the pair's thread runs the sends in
+that order. The read comes first so that a frame written is always followed
+by its payload (a payload the decode worker no longer wants is received and
+dropped there): the two ends never fall out of step. A read that fails
+fails its post alone; if the stream or a send fails, the pair is broken,
+and what is queued fails with it.
 """
 
 from __future__ import annotations
@@ -99,11 +101,19 @@ class FrameChannel:
                 frame, read, sent, future = item
                 if self.pair.broken:
                     raise Unavailable(f"the transfer group with {self.peer} is broken")
+                data = None
+                if read is not None:
+                    try:
+                        data = await asyncio.wrap_future(self.pair.submit_local(read))
+                    except Exception as exc:  # noqa: BLE001 - this post's failure, not the pair's
+                        future.set_exception(exc)
+                        item = None
+                        continue
                 await self.call.write(frame)
-                if read is None:
+                if data is None:
                     future.set_result(0)
                 else:
-                    _chain(self.pair.submit(self._send, read, sent), future)
+                    _chain(self.pair.submit(self._send, data, sent), future)
                 item = None
         except BaseException as exc:
             self.pair.broken = True
@@ -119,8 +129,7 @@ class FrameChannel:
             if not isinstance(exc, asyncio.CancelledError):
                 self.call.cancel()
 
-    def _send(self, read: Read, sent: Sent | None) -> int:
-        data = read()
+    def _send(self, data: torch.Tensor, sent: Sent | None) -> int:
         start = time.time_ns()
         self.pair.send(data, 1, PAYLOAD_TAG)
         nbytes = data.numel() * data.element_size()

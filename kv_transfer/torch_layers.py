@@ -13,6 +13,8 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 
+import torch
+
 from engine.kv_blocks import KVBlockView
 from kv_transfer.layer_sink import LayerSink
 from kv_transfer.torch_frames import FrameChannel, payload_frame
@@ -32,8 +34,8 @@ class LayerSends(LayerSink):
 
     def _submit(self, layer: int, lo: int, hi: int, src: list[int], event) -> Future:
         def read():
-            if event is not None:
-                event.synchronize()
+            if event is not None:  # on the pair's stream (torch_pair.py): no host wait
+                torch.cuda.current_stream().wait_event(event)
             return self.io.read_layer(layer, src)
 
         def sent(nbytes: int, start: int) -> None:

@@ -5,6 +5,7 @@ opens them; kv_transfer/torch_frames.py orders what they carry."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -22,7 +23,9 @@ PAYLOAD_TAG = 1
 
 def make_group(store: dist.Store, rank: int, device: torch.device):
     if device.type == "cuda":
-        return dist.ProcessGroupNCCL(store, rank, 2)
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = TIMEOUT  # NOTE: or NCCL's watchdog waits its default minutes
+        return dist.ProcessGroupNCCL(store, rank, 2, options)
     return dist.ProcessGroupGloo(store, rank, 2, TIMEOUT)
 
 
@@ -46,6 +49,14 @@ class PairGroup:
     )
     broken: bool = False  # an operation failed (gloo has closed the pair) or its frames ended
     channel: object = None  # the sender's FrameChannel (kv_transfer/torch_frames.py)
+    # On CUDA, the pair thread's own stream: reads, sends and receives there
+    # neither wait for the engine's queued kernels nor hold them up.
+    stream: object = None
+
+    def __post_init__(self) -> None:
+        nccl = getattr(dist, "ProcessGroupNCCL", None)  # absent from CPU builds
+        if nccl is not None and isinstance(self.group, nccl) and self.stream is None:
+            self.stream = torch.cuda.Stream()
 
     async def run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.thread, self._guard, fn,
@@ -55,23 +66,44 @@ class PairGroup:
         """Queue ``fn`` on the pair's thread without waiting (after whatever is queued)."""
         return self.thread.submit(self._guard, fn, args)
 
+    def submit_local(self, fn, *args):
+        """``submit`` for work that does not touch the group: its failure
+        is its own, not the pair's."""
+        return self.thread.submit(self._on_stream, fn, args)
+
     def _guard(self, fn, args):
         try:
-            return fn(*args)
+            return self._on_stream(fn, args)
         except BaseException:
             self.broken = True
             raise
 
+    def _on_stream(self, fn, args):
+        if self.stream is None:
+            return fn(*args)
+        with torch.cuda.stream(self.stream):
+            return fn(*args)
+
     def send(self, t: torch.Tensor, peer: int, tag: int) -> None:
+        """Returns once ``t`` has left (on CUDA too, where NCCL's ``wait``
+        only orders the stream): its memory may be reused then."""
         self.group.send([_as_bytes(t)], peer, tag).wait()
+        if self.stream is not None:
+            self.stream.synchronize()
 
     def recv(self, t: torch.Tensor, peer: int, tag: int) -> None:
+        """Returns once ``t`` holds the bytes, for any stream to read."""
         self.group.recv([_as_bytes(t)], peer, tag).wait()
+        if self.stream is not None:
+            self.stream.synchronize()
 
     def close(self) -> None:
         if self.channel is not None:
             self.channel.close()
         self.thread.shutdown(wait=False)
+        if self.stream is not None:  # NCCL: its communicator is not freed otherwise
+            with contextlib.suppress(Exception):
+                self.group.shutdown()
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -47,7 +47,7 @@ from kv_transfer.write_stream import (
     source_blocks,
     write_stream,
 )
-from rpc.errors import peer_error
+from rpc.errors import Unavailable, peer_error
 from rpc.pool import ChannelPool
 from rpc.protos import worker_pb2, worker_pb2_grpc
 
@@ -108,21 +108,30 @@ class TorchSender(KVSender):
             finally:
                 group = await building  # gloo fails by itself after TIMEOUT if the peer never joins
             pair = PairGroup(group, name)
-            await self._preflight(pair, key)
-            call = stub.KVFrames()
+            call = None
             try:
+                failure = await self._preflight(pair, key)
+                if pair.broken:  # the pair cannot carry anything: say why now
+                    raise Unavailable(f"the transfer group with decode worker {key} failed "
+                                      f"its preflight: {failure}")
+                call = stub.KVFrames()
                 await call.write(worker_pb2.KVFrame(open=worker_pb2.KVFramesOpen(
                     prefill_worker_id=self.worker_id, group_name=name)))
-            except grpc.aio.AioRpcError as err:
+            except BaseException as exc:  # cancelled included: nothing of the pair may linger
                 pair.close()
-                raise peer_error(err, f"decode worker {key}") from None
+                if call is not None:
+                    call.cancel()
+                if isinstance(exc, grpc.aio.AioRpcError):
+                    raise peer_error(exc, f"decode worker {key}") from None
+                raise
             pair.channel = FrameChannel(pair, call, f"decode worker {key}")
             self._groups[key] = pair
             return pair
 
-    async def _preflight(self, pair: PairGroup, peer: str) -> None:
+    async def _preflight(self, pair: PairGroup, peer: str) -> Exception | None:
         """The decode worker queued the matching receive and a one-byte answer
-        when it joined (``KVReceiver.open_group``)."""
+        when it joined (``KVReceiver.open_group``). Returns how it failed, if
+        it did (then the pair is broken)."""
         payload = torch.zeros(PREFLIGHT_BYTES, dtype=torch.uint8, device=self.io.device)
         ack = torch.empty(1, dtype=torch.uint8, device=self.io.device)
 
@@ -137,8 +146,9 @@ class TorchSender(KVSender):
         except Exception as exc:
             logger.warning("torch preflight to %s failed: %s", peer, exc)
             self.report_preflight(peer, PREFLIGHT_BYTES, None)
-            return
+            return exc
         self.report_preflight(peer, PREFLIGHT_BYTES, seconds)
+        return None
 
     # ---- every layer in one payload ---------------------------------------------------------
 
@@ -158,8 +168,8 @@ class TorchSender(KVSender):
             src, event, started = await source_blocks(blocks, ticket)
 
             def read():
-                if event is not None:
-                    event.synchronize()
+                if event is not None:  # on the pair's stream (torch_pair.py): no host wait
+                    torch.cuda.current_stream().wait_event(event)
                 return self.io.read(src)
 
             frame = payload_frame(request_id, ticket.attempt, -1, 0, len(src))

@@ -390,6 +390,44 @@ async def test_abort_during_torch_transfer_keeps_the_pair_usable(workers, gw):
     await gw.wait_idle(workers.all)
 
 
+async def test_a_torch_send_whose_read_fails_fails_alone(workers, gw):
+    """The real TorchSender in this process, to a decode worker: a transfer
+    whose source blocks cannot be read fails before its payload is
+    announced, so the pair stays in step and carries the next transfer."""
+    from engine.kv_blocks import KVBlocks
+    from kv_transfer.layout import KVLayout
+    from kv_transfer.torch_transport import TorchSender
+    from rpc.pool import ChannelPool
+
+    decode = workers.decodes[0]
+    sp = params(temperature=0, max_tokens=4)
+    ticket = await gw.reserve(decode, "read-fails", unique_prompt(100), sp)
+    lay = ticket.layout
+    cache = [(torch.randn(32, lay.block_size, lay.num_kv_heads, lay.head_dim),
+              torch.randn(32, lay.block_size, lay.num_kv_heads, lay.head_dim))
+             for _ in range(lay.num_layers)]
+    channels = ChannelPool()
+    sender = TorchSender(KVBlocks(cache), KVLayout.from_proto(lay), channels,
+                         f"test-{uuid.uuid4().hex[:6]}")
+    try:
+        n = len(ticket.block_ids)
+        with pytest.raises(IndexError):  # block 99 of a 32-block cache
+            await sender.send("read-fails", ticket, [99] * n)
+        assert await gw.abort(decode, "read-fails")  # still reserved, and now free
+        (pair,) = sender._groups.values()
+        assert not pair.broken
+        ticket = await gw.reserve(decode, "read-ok", unique_prompt(100), sp)
+        n = len(ticket.block_ids)
+        stats = await sender.send("read-ok", ticket, list(range(n)))
+        assert stats.bytes == n * KVLayout.from_proto(lay).block_bytes_per_layer * lay.num_layers
+        assert list(sender._groups.values()) == [pair] and not pair.broken
+        assert await gw.abort(decode, "read-ok")
+    finally:
+        await sender.close()
+        await channels.close()
+    await gw.wait_idle(workers.all)
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 async def test_aborts_at_random_moments_leak_nothing(workers, gw, transport):
     """Cancel or abort requests at random points: computing, transferring,

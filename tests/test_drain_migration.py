@@ -45,7 +45,11 @@ from gateway_fixtures import (
 from worker_fixtures import start_worker
 
 DB = 6
-LONG = {"prompt": "the quick brown fox", "max_tokens": 600, "temperature": 0,
+# NOTE: long enough that the drain outlasts the test's first poll of the
+# draining worker, which on a loaded host came after a 600-token stream had
+# ended and the worker had exited (the tiny model allows 1024 tokens; the
+# spare worker's 60 blocks hold 960).
+LONG = {"prompt": "the quick brown fox", "max_tokens": 900, "temperature": 0,
         "ignore_eos": True}
 
 url = redis_db_fixture(DB)
@@ -75,7 +79,7 @@ def workers(cluster, url):
                             "--grace", grace, "--host", "0.0.0.0", "--advertise-host", POD_IP)
 
     return {"prefill": start("prefill", 64, "0"), "patient": start("decode", 96, "30"),
-            "hasty": start("decode", 64, "0"), "spare": start("decode", 48, "0")}
+            "hasty": start("decode", 64, "0"), "spare": start("decode", 60, "0")}
 
 
 @pytest.fixture(scope="module")

@@ -45,10 +45,9 @@ from gateway_fixtures import (
 from worker_fixtures import start_worker
 
 DB = 6
-# NOTE: long enough that the drain outlasts the test's first poll of the
-# draining worker, which on a loaded host came after a 600-token stream had
-# ended and the worker had exited (the tiny model allows 1024 tokens; the
-# spare worker's 60 blocks hold 960).
+# NOTE: as long as the workers' caches allow (the spare worker's 60 blocks
+# hold 960 tokens): the tiny model streams 900 tokens in about 0.75 s, and
+# the drain must outlast the test's first poll of the draining worker.
 LONG = {"prompt": "the quick brown fox", "max_tokens": 900, "temperature": 0,
         "ignore_eos": True}
 
@@ -141,13 +140,11 @@ def stream_and_sigterm(gateway, workers, url, expected: str,
     with gateway.http() as http, http.stream("POST", "/v1/completions",
                                              json={**LONG, "stream": True}) as r:
         events = iter_sse(r)
-        received = [next(events) for _ in range(5)]
+        received = [next(events)]
         rid = received[0]["id"]
-        # The stream has its first tokens: it runs, it no longer waits.
-        text = scrape(gateway)
-        assert series(text, "vllm:num_requests_running") == {"": 1.0}
-        assert series(text, "vllm:num_requests_waiting") == {"": 0.0}
         assert redis_record(url, rid)["decode_worker"] == workers[expected].worker_id
+        # NOTE: at once: the tiny model streams LONG in under a second, and
+        # the test is about a stream still open when the signal comes.
         workers[expected].proc.popen.send_signal(signal.SIGTERM)
         while_draining()
         received += list(events)

@@ -28,6 +28,8 @@ class Renderer:
         self.service = service
         self.prompt_logprobs = prompt_logprobs
         self._scored: dict[int, list] = {}  # prompt -> its tokens' logprobs (TokenLogprobs)
+        self._texts: dict[int, str] = {}  # token id -> its text, decoded once a request
+        self._prompt_entries: dict[int, list] = {}  # prompt -> its vLLM prompt_logprobs
         self.prompts = prompts
         self.stop_token_ids = frozenset(stop_token_ids)
         self.return_token_ids = return_token_ids
@@ -62,17 +64,21 @@ class Renderer:
             return int(reason)
         return reason
 
-    def vllm_prompt_logprobs(self, p: int) -> list[dict | None]:
+    async def vllm_prompt_logprobs(self, p: int) -> list[dict | None]:
         """Prompt ``p``'s logprobs as vLLM's ``prompt_logprobs``: per token
         (the first None), its own and the ``prompt_logprobs`` most likely
-        tokens', by token id: logprob, rank in the vocabulary, text."""
+        tokens', by token id: logprob, rank in the vocabulary, text. Built
+        once per prompt, off the event loop (a prompt can be long)."""
+        if p not in self._prompt_entries:
+            self._prompt_entries[p] = await self.service.off_loop(self._prompt_entries_of, p)
+        return self._prompt_entries[p]
+
+    def _prompt_entries_of(self, p: int) -> list[dict | None]:
         out: list[dict | None] = [None]
         for lp in self._scored.get(p, []):
             entry = {str(lp.token_id): self._scored_token(lp.token_id, lp.logprob, lp.rank)}
-            for t, v, rank in zip(lp.top_token_ids, lp.top_logprobs, lp.top_ranks):
-                # NOTE: by rank: the engine may have kept more (an echo's logprobs).
-                if 0 < rank <= self.prompt_logprobs and str(t) not in entry:
-                    entry[str(t)] = self._scored_token(t, v, rank)
+            for t, v, rank in top_entries(lp, self.prompt_logprobs):
+                entry.setdefault(str(t), self._scored_token(t, v, rank))
             out.append(entry)
         return out
 
@@ -81,7 +87,11 @@ class Renderer:
                 "decoded_token": self.token_text(token_id)}
 
     def token_text(self, token_id: int) -> str:
-        return self.service.tokenizer.decode([token_id], skip_special_tokens=False)
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self.service.tokenizer.decode(
+                [token_id], skip_special_tokens=False)
+        return text
 
     async def _all(self, first, merged):
         if first is not None:
@@ -110,6 +120,16 @@ class Renderer:
         body = self._envelope([choices[i] for i in sorted(choices)], obj)
         body["usage"] = self.usage()
         return body
+
+
+def top_entries(lp, n: int) -> list[tuple[int, float, int]]:
+    """``lp``'s top tokens as (id, logprob, rank): the token itself and those
+    of rank ``n`` or better. NOTE: by rank, since the engine may have kept
+    more than a choice asked for (``prompt_logprobs`` and an echo's
+    ``logprobs`` share one count); a rank not known (0) is kept."""
+    ranks = list(lp.top_ranks) or [0] * len(lp.top_token_ids)
+    return [(t, v, rank) for t, v, rank in zip(lp.top_token_ids, lp.top_logprobs, ranks)
+            if t == lp.token_id or not rank or rank <= n]
 
 
 class CompletionRenderer(Renderer):
@@ -161,7 +181,7 @@ class CompletionRenderer(Renderer):
             head["tokens"].append(piece)
             head["token_logprobs"].append(None if lp is None else lp.logprob)
             head["top_logprobs"].append(None if lp is None else {
-                self.token_text(t): v for t, v in zip(lp.top_token_ids, lp.top_logprobs)})
+                self.token_text(t): v for t, v, _ in top_entries(lp, self.top_n)})
         return head, offset
 
     def _logprobs(self, choice: int, chunk: Chunk) -> dict | None:
@@ -213,7 +233,7 @@ class CompletionRenderer(Renderer):
             self._extend(c, logprobs, chunk)
         if self.prompt_logprobs is not None:
             for index, c in choices.items():
-                c["prompt_logprobs"] = self.vllm_prompt_logprobs(index // self.n)
+                c["prompt_logprobs"] = await self.vllm_prompt_logprobs(index // self.n)
         return self._collected(choices, "text_completion")
 
 
@@ -301,5 +321,5 @@ class ChatRenderer(Renderer):
         if self.return_token_ids:
             body["prompt_token_ids"] = self.prompts[0]
         if self.prompt_logprobs is not None:
-            body["prompt_logprobs"] = self.vllm_prompt_logprobs(0)
+            body["prompt_logprobs"] = await self.vllm_prompt_logprobs(0)
         return body

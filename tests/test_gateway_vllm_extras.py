@@ -155,6 +155,12 @@ def test_prompt_logprobs(client, tokenizer):
             # the top 2 by rank, the prompt token among them or beside them
             others = sorted(e["rank"] for t, e in entry.items() if t != str(token))
             assert own["rank"] >= 1 and others == [r for r in (1, 2) if r != own["rank"]]
+    # More prompt logprobs than an echo's logprobs: each keeps its own count.
+    wide = client.completions.create(model=SERVED, prompt=PROMPT, max_tokens=1, echo=True,
+                                     logprobs=1, temperature=0,
+                                     extra_body={"prompt_logprobs": 5}).choices[0]
+    assert all(len(top) <= 2 for top in wide.logprobs.top_logprobs[1:])
+    assert all(5 <= len(entry) <= 6 for entry in wide.model_extra["prompt_logprobs"][1:])
     chat = client.chat.completions.create(model=SERVED, messages=MESSAGES, max_tokens=2,
                                           extra_body={"prompt_logprobs": 0}, temperature=0)
     scored = chat.model_extra["prompt_logprobs"]

@@ -21,7 +21,6 @@ import torch
 from engine.kv_blocks import KVBlockView
 from kv_transfer.block_io import from_bytes
 from kv_transfer.layout import KVLayout
-from kv_transfer.progress import resolve_once
 from kv_transfer.torch_pair import PAYLOAD_TAG, PREFLIGHT_TAG, PairGroup, join_group
 from rpc.errors import Fenced, NotFound, Unavailable
 from rpc.protos import worker_pb2
@@ -42,11 +41,11 @@ class Reservation:
     cancelled: bool = False
     completed_at: float | None = None  # monotonic time the last byte landed
     # A torch transfer: the pair whose payloads land here, per layer the
-    # leading blocks that landed, resolved by the done frame, and the
-    # first payload refused (reported when the transfer finishes).
+    # leading blocks that landed, set by the done frame (or when the pair's
+    # frames end), and what failed it (reported when the transfer finishes).
     pair: PairGroup | None = None
     landed: list[int] | None = None
-    payloads_done: asyncio.Future | None = None
+    payloads_done: asyncio.Event | None = None
     error: Exception | None = None
 
 
@@ -168,18 +167,16 @@ class KVReceiver:
                 elif kind == "done":
                     r = self._live(pair, frame.done.request_id, frame.done.attempt)
                     if r is not None:
-                        resolve_once(r.payloads_done, None)
+                        r.payloads_done.set()
                 else:
                     raise ValueError(f"a {kind} frame after the first")
         finally:
             pair.broken = True
             for r in self.reservations.values():
-                if r.pair is pair and not r.payloads_done.done():
-                    # NOTE: an error beside a result, not on the future: its
-                    # transfer may be gone, and nobody would read it.
+                if r.pair is pair and not r.payloads_done.is_set():
                     r.error = r.error or Unavailable(
                         f"the KV frames of prefill worker {sender!r} ended")
-                    r.payloads_done.set_result(None)
+                    r.payloads_done.set()
 
     async def _payload(self, pair: PairGroup, p: worker_pb2.KVPayload) -> None:
         num_layers = self.layout.num_layers
@@ -208,7 +205,7 @@ class KVReceiver:
         """The reservation a torch payload of ``pair`` may land in, if any."""
         r = self.reservations.get(request_id)
         if (r is None or r.pair is not pair or r.attempt != attempt or not r.writing
-                or r.payloads_done.done()):
+                or r.payloads_done.is_set()):
             return None
         return r
 
@@ -244,7 +241,7 @@ class KVReceiver:
                 raise ValueError(f"{b.num_blocks} blocks announced, {len(r.block_ids)} reserved")
             if pair is not None:
                 r.pair, r.landed = pair, [0] * self.layout.num_layers
-                r.payloads_done = asyncio.get_running_loop().create_future()
+                r.payloads_done = asyncio.Event()
             yield worker_pb2.WriteKVReply(ready=True)
             done = await anext(it, None)
             if done is None or done.WhichOneof("kind") != "done":
@@ -255,7 +252,7 @@ class KVReceiver:
             expected = [len(r.block_ids)] * self.layout.num_layers
             layers = list(done.done.layer_blocks)
             if pair is not None:
-                await r.payloads_done  # every payload of the transfer has been received
+                await r.payloads_done.wait()  # every payload of the transfer has been received
                 self._check_live(b.request_id, r)
                 if r.error is not None:
                     raise r.error

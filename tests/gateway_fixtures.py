@@ -344,6 +344,22 @@ def cluster_fixture():
     return cluster
 
 
+def traced_cluster_fixture():
+    """Module fixtures: a trace file, and a cluster whose every process writes
+    its spans there. Use as ``trace_file, cluster = traced_cluster_fixture()``."""
+
+    @pytest.fixture(scope="module")
+    def trace_file(tmp_path_factory):
+        return tmp_path_factory.mktemp("traces") / "spans.jsonl"
+
+    @pytest.fixture(scope="module")
+    def cluster(trace_file):
+        with LocalCluster(env={"TANDEM_TRACE_FILE": str(trace_file)}) as c:
+            yield c
+
+    return trace_file, cluster
+
+
 def redis_db_fixture(db: int):
     """A module fixture: the test Redis at database ``db``, emptied first.
     Use as ``url = redis_db_fixture(DB)``."""

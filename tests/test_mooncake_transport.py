@@ -26,12 +26,11 @@ from gateway_fixtures import (
     start_gateway,
     start_workers,
     tiny_model,
+    traced_cluster_fixture,
     wait_blocks_free,
     wait_until,
 )
 from worker_fixtures import Gateway, metric, params, refused_start, scrape, start_worker
-
-from tandem.cluster import LocalCluster
 
 pytest.importorskip("mooncake.engine", reason="the mooncake wheel or its RDMA libraries "
                     "are missing (scripts/install_rdma_libs.sh)")
@@ -46,15 +45,7 @@ BY_LAYER = ("--kv-layer-writes", "on", *CHUNKED)
 PROMPTS = ["the quick brown fox", "a" * 150, "tandem " * 30]
 
 
-@pytest.fixture(scope="module")
-def trace_file(tmp_path_factory):
-    return tmp_path_factory.mktemp("traces") / "spans.jsonl"
-
-
-@pytest.fixture(scope="module")
-def cluster(trace_file):
-    with LocalCluster(env={"TANDEM_TRACE_FILE": str(trace_file)}) as c:
-        yield c
+trace_file, cluster = traced_cluster_fixture()
 
 
 @pytest.fixture(scope="module")

@@ -15,10 +15,14 @@ import signal
 
 import grpc
 import pytest
-from gateway_fixtures import assert_layer_spans, sigkill, tiny_model, wait_blocks_free
+from gateway_fixtures import (
+    assert_layer_spans,
+    sigkill,
+    tiny_model,
+    traced_cluster_fixture,
+    wait_blocks_free,
+)
 from worker_fixtures import Gateway, metric, params, scrape, start_worker_set
-
-from tandem.cluster import LocalCluster
 
 NUM_BLOCKS = 96
 TORCH = ("--transport", "torch,grpc")
@@ -27,15 +31,7 @@ BY_LAYER = ("--kv-layer-writes", "on", "--long-prefill-token-threshold", "16",
             "--max-num-batched-tokens", "16")
 
 
-@pytest.fixture(scope="module")
-def trace_file(tmp_path_factory):
-    return tmp_path_factory.mktemp("traces") / "spans.jsonl"
-
-
-@pytest.fixture(scope="module")
-def cluster(trace_file):
-    with LocalCluster(env={"TANDEM_TRACE_FILE": str(trace_file)}) as c:
-        yield c
+trace_file, cluster = traced_cluster_fixture()
 
 
 @pytest.fixture(scope="module")

@@ -71,15 +71,15 @@ class SamplerOutput:
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     """``logits``: [B, vocab] in the model's dtype or float32, one row per
     request in ``batch``; sampled in float32."""
+    rows = _penalized_rows(batch.requests)
     if (batch.all_greedy and batch.max_logprobs < 0 and batch.banned is None
-            and not _penalized_rows(batch.requests) and logits.dtype == torch.bfloat16
-            and cpu_ops.supports(logits)):
+            and not rows and logits.dtype == torch.bfloat16 and cpu_ops.supports(logits)):
         # Plain greedy rows of bfloat16 CPU logits: the argmax in one pass,
         # without widening them first (the same tokens).
         return SamplerOutput(cpu_ops.argmax(logits).tolist(), [None] * len(batch.requests))
     logits = logits.float()
     raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_logprobs >= 0 else None
-    logits = _apply_penalties_and_bans(logits, batch.requests)
+    logits = _apply_penalties_and_bans(logits, batch.requests, rows)
     if batch.banned is not None:
         logits = logits.masked_fill(batch.banned, float("-inf"))
 
@@ -101,22 +101,26 @@ def logprob_entries(logprobs: torch.Tensor, tokens: torch.Tensor,
     """Per row of ``logprobs`` ([rows, vocab], log-softmaxed): the logprob
     of ``tokens[row]`` and of the row's ``top_n[row]`` most likely tokens
     (None: no entry for the row), each with its rank in the vocabulary (as
-    vLLM counts it: the tokens at least as likely, itself included)."""
+    vLLM counts it: the tokens at least as likely, itself included). Only
+    the rows that ask are ranked: a rank reads the whole vocabulary."""
+    entries: list[dict[int, Logprob] | None] = [None] * len(top_n)
+    want = [row for row, n in enumerate(top_n) if n is not None]
+    if not want:
+        return entries
+    if len(want) < len(top_n):
+        logprobs, tokens = logprobs[want], tokens[want]
     chosen = logprobs.gather(1, tokens[:, None])
     ranks = (logprobs >= chosen).sum(dim=-1).tolist()
     chosen_vals = chosen.squeeze(1).tolist()
-    most = max((n for n in top_n if n is not None), default=0)
+    most = max(top_n[row] for row in want)
     top_vals, top_ids = logprobs.topk(max(most, 1), dim=-1)
     top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
-    entries: list[dict[int, Logprob] | None] = []
-    for row, (token, n) in enumerate(zip(tokens.tolist(), top_n)):
-        if n is None:
-            entries.append(None)
-            continue
-        entry = {token: Logprob(chosen_vals[row], ranks[row])}
-        for rank, (tid, val) in enumerate(zip(top_ids[row][:n], top_vals[row][:n]), 1):
+    for k, (row, token) in enumerate(zip(want, tokens.tolist())):
+        n = top_n[row]
+        entry = {token: Logprob(chosen_vals[k], ranks[k])}
+        for rank, (tid, val) in enumerate(zip(top_ids[k][:n], top_vals[k][:n]), 1):
             entry.setdefault(tid, Logprob(val, rank))
-        entries.append(entry)
+        entries[row] = entry
     return entries
 
 
@@ -170,12 +174,14 @@ def _apply_top_k_top_p_min_p(logits: torch.Tensor, batch: SamplingBatch) -> torc
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
 
 
-def _apply_penalties_and_bans(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+def _apply_penalties_and_bans(logits: torch.Tensor, requests: list[Request],
+                              rows: list[int] | None = None) -> torch.Tensor:
     """Repetition (over prompt and output, as in HF), presence and frequency
     penalties (over output, as in OpenAI), a logit bias, allowed tokens, bad
-    words, and EOS/stop-token bans before ``min_tokens``. Rows that need none
-    are untouched."""
-    rows = _penalized_rows(requests)
+    words, and EOS/stop-token bans before ``min_tokens``, on ``rows``
+    (``_penalized_rows``, found here if not given); the others are untouched."""
+    if rows is None:
+        rows = _penalized_rows(requests)
     if not rows:
         return logits
     logits = logits.clone()

@@ -353,3 +353,21 @@ def test_logit_bias_and_allowed_tokens_are_built_once_per_request():
     again = _apply_penalties_and_bans(logits, [request])
     assert request.logit_offsets[1] is kept  # not rebuilt from the lists
     assert again[0].tolist() == first[0].tolist()
+
+
+def test_logprob_entries_rank_only_the_rows_that_ask():
+    """Rows without logprobs get None; every other row the entry it gets
+    alone (the subset is indexed, not the whole batch ranked)."""
+    from engine.sampler import logprob_entries
+
+    torch.manual_seed(0)
+    logprobs = torch.log_softmax(torch.randn(4, 50), dim=-1)
+    tokens = torch.tensor([3, 7, 11, 40])
+    top_n = [None, 2, None, 0]
+    entries = logprob_entries(logprobs, tokens, top_n)
+    assert entries[0] is None and entries[2] is None
+    for row in (1, 3):
+        alone = logprob_entries(logprobs[row:row + 1], tokens[row:row + 1], [top_n[row]])[0]
+        assert entries[row] == alone
+        assert [v.rank for v in entries[row].values()] == [v.rank for v in alone.values()]
+    assert len(entries[1]) in (2, 3) and list(entries[3]) == [40]

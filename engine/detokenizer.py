@@ -38,7 +38,7 @@ class IncrementalDetokenizer:
         self.num_emitted = 0  # characters of ``text`` already handed out
         self.stop_reason: str | None = None
         self.min_tokens = min_tokens
-        self.num_tokens = 0  # tokens added
+        self.num_tokens = 0  # tokens added (before a stop string matched)
 
     def restart(self, token_ids: list[int]) -> None:
         """Continue after ``token_ids`` whose text was handed out elsewhere."""

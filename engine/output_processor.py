@@ -17,7 +17,6 @@ class _Completion:
     request: Request
     detok: IncrementalDetokenizer | None
     num_tokens_sent: int = 0
-    num_decoded: int = 0  # output tokens fed to the detokenizer
     # The logprobs of the first ``num_summed`` output tokens, summed as they come.
     cumulative_logprob: float = 0.0
     num_summed: int = 0
@@ -73,14 +72,13 @@ class OutputProcessor:
             if comp.finish_reason is not None:
                 continue
             if comp.detok is not None:
-                new = seq.token_ids[seq.num_prompt_tokens + comp.num_decoded :]
+                new = seq.token_ids[seq.num_prompt_tokens + comp.detok.num_tokens :]
                 if new and _ends_on_stop_token(seq):
                     # The EOS or stop token that ended the sequence: kept in
                     # the token ids, not in the text (as vLLM does).
                     new = new[:-1]
                 for token in new:
                     comp.detok.add(token)
-                    comp.num_decoded += 1
                     if comp.detok.stop_reason is not None:
                         break
                 if comp.detok.stop_reason is not None:
@@ -107,7 +105,7 @@ class OutputProcessor:
         character, a possible stop-string prefix) that the client has not
         seen; replayed, it is held back here too and sent once complete."""
         for comp in self.groups[request_id].completions:
-            comp.num_tokens_sent = comp.num_decoded = num_tokens
+            comp.num_tokens_sent = num_tokens
             if comp.detok is not None:
                 start = comp.request.num_prompt_tokens
                 for token in comp.request.token_ids[start : start + num_tokens]:
@@ -137,7 +135,7 @@ class OutputProcessor:
             token_ids = seq.output_token_ids
             if comp.detok is not None and comp.detok.stop_reason is not None:
                 # Tokens after the one that completed a stop string are not output.
-                token_ids = token_ids[: comp.num_decoded]
+                token_ids = token_ids[: comp.detok.num_tokens]
             delta_ids = token_ids[comp.num_tokens_sent :]
             comp.num_tokens_sent = len(token_ids)
             delta_text = comp.detok.take(final=finished) if comp.detok else ""

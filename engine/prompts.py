@@ -61,7 +61,13 @@ def with_max_tokens(params: SamplingParams, prompt_len: int,
     for after the prompt, as in vLLM) made a number."""
     if params.max_tokens is not None:
         return params
-    return dataclasses.replace(params, max_tokens=max(1, max_model_len - prompt_len))
+    return dataclasses.replace(params, max_tokens=context_room(prompt_len, max_model_len))
+
+
+def context_room(prompt_len: int, max_model_len: int) -> int:
+    """How many tokens the context has room for after a prompt (at least 1:
+    a prompt that fills it is refused by the length check, not here)."""
+    return max(1, max_model_len - prompt_len)
 
 
 def bad_word_ids(tokenizer: Tokenizer | None, words: list[str]) -> list[list[int]]:

@@ -68,8 +68,9 @@ class Tokenizer:
         if isinstance(text, str):
             ids = self.encode(text, add_special_tokens)
             return {"input_ids": ids, "attention_mask": [1] * len(ids)}
-        batch = [self(t, add_special_tokens) for t in text]
-        return {key: [b[key] for b in batch] for key in ("input_ids", "attention_mask")}
+        ids = [e.ids for e in self._tok.encode_batch(list(text),
+                                                     add_special_tokens=add_special_tokens)]
+        return {"input_ids": ids, "attention_mask": [[1] * len(i) for i in ids]}
 
     def convert_ids_to_tokens(self, ids: int | list[int]) -> str | None | list[str | None]:
         return self.id_to_token(ids) if isinstance(ids, int) else [self.id_to_token(i) for i in ids]
@@ -82,8 +83,7 @@ class Tokenizer:
         ``options``: ``apply_chat_template``'s."""
         if tools is not None:
             options["tools"] = tools
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **options),
-                           add_special_tokens=False)
+        return self.apply_chat_template(messages, add_generation_prompt, tokenize=True, **options)
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,

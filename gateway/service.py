@@ -17,6 +17,7 @@ from opentelemetry import trace
 
 from engine.config import ModelConfig
 from engine.loader.resolve import model_fingerprint, resolve_model_dir
+from engine.prompts import context_room
 from engine.request_checks import check_request
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
@@ -127,7 +128,7 @@ class GatewayService:
                              f"more than that many tokens hold")
 
     def default_max_tokens(self, prompt: list[int]) -> int:
-        return max(1, self.max_model_len - len(prompt))
+        return context_room(len(prompt), self.max_model_len)
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(*args)`` (tokenizing, chat templating) on the tokenizer

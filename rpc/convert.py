@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from engine.outputs import Logprob
 from engine.sampling_params import SamplingParams
 from engine.structured_output.params import StructuredOutputsParams
 from rpc.protos import common_pb2
@@ -78,12 +79,14 @@ def logprobs_to_proto(token_id: int, entry: dict[int, float] | None) -> common_p
 
 
 def _rank(value) -> int:
-    """An engine ``Logprob``'s rank; 0 for a plain float (or none)."""
+    """An engine ``Logprob``'s rank; 0 where not known."""
     return getattr(value, "rank", None) or 0
 
 
-def logprobs_from_proto(lp: common_pb2.TokenLogprobs) -> dict[int, float]:
-    out = {lp.token_id: lp.logprob}
-    for t, v in zip(lp.top_token_ids, lp.top_logprobs):
-        out.setdefault(t, v)
+def logprobs_from_proto(lp: common_pb2.TokenLogprobs) -> dict[int, Logprob]:
+    """The inverse of ``logprobs_to_proto``, ranks included (None where not known)."""
+    out = {lp.token_id: Logprob(lp.logprob, lp.rank or None)}
+    ranks = list(lp.top_ranks) or [0] * len(lp.top_token_ids)
+    for t, v, rank in zip(lp.top_token_ids, lp.top_logprobs, ranks):
+        out.setdefault(t, Logprob(v, rank or None))
     return out

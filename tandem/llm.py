@@ -19,7 +19,7 @@ from engine.config import (
     engine_config_from_flat,
 )
 from engine.llm_engine import LLMEngine
-from engine.outputs import Logprob, RequestOutput
+from engine.outputs import RequestOutput
 from engine.prompts import Prompt
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import content_text
@@ -208,11 +208,13 @@ class LLM:
             return
         entries = [e for out in outputs for e in (out.prompt_logprobs or []) if e]
         entries += [e for out in outputs for c in out.outputs for e in (c.logprobs or [])]
+        texts: dict[int, str] = {}  # the same ids come up at many positions
         for entry in entries:
             for token_id, logprob in entry.items():
-                # (A float, not a Logprob: the first token's, from a prefill worker.)
-                if isinstance(logprob, Logprob) and logprob.decoded_token is None:
-                    logprob.decoded_token = tokenizer.decode([token_id], False)
+                if logprob.decoded_token is None:
+                    if token_id not in texts:
+                        texts[token_id] = tokenizer.decode([token_id], False)
+                    logprob.decoded_token = texts[token_id]
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}

@@ -193,6 +193,7 @@ def test_bad_sampling_params(kwargs):
 
 @pytest.mark.parametrize("prompt,params,match", [
     ("", GREEDY, "empty"),
+    ({"prompt_token_ids": []}, GREEDY, "empty"),  # ([] is a list of no prompts)
     ([5, VOCAB], GREEDY, "vocabulary"),
     ([-1], GREEDY, "vocabulary"),
     ([1.5], GREEDY, "integer"),

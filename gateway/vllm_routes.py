@@ -9,6 +9,8 @@ from fastapi import FastAPI, Response
 
 from gateway.protocol import DetokenizeRequest, TokenizeRequest
 from gateway.service import GatewayService
+from gateway.tool_parsers import make_parser
+from gateway.tools import chat_messages, parse_tool_choice
 
 try:
     TANDEM_VERSION = importlib.metadata.version("tandem-serve")  # pyproject.toml's
@@ -34,7 +36,11 @@ def add_vllm_routes(app: FastAPI, service: GatewayService) -> None:
             raise ValueError("give either prompt or messages")
         if body.messages is not None:
             service.check_messages(len(body.messages))
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            # As /v1/chat/completions gives them to the template (earlier
+            # tool calls and results included), with no tools offered.
+            messages, _ = chat_messages(body.messages, [], parse_tool_choice(None, []),
+                                        service.tokenizer.chat_template or "",
+                                        make_parser(service.config.tool_call_parser))
             tokens = await service.off_loop(service.tokenize_chat, messages,
                                             body.add_generation_prompt)
         else:

@@ -77,6 +77,15 @@ def test_vllms_tokenize_detokenize_version_and_ping(gateway, tokenizer):
         assert bare.json()["tokens"] == tokenizer.encode(PROMPT, add_special_tokens=False)
         chat = http.post("/tokenize", json={"messages": MESSAGES}).json()
         assert chat["tokens"] == tokenizer.encode_chat(MESSAGES)
+        # Earlier tool calls and results: the tokens a chat request's prompt has.
+        call = {"id": "c1", "type": "function",
+                "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}
+        tools = [*MESSAGES, {"role": "assistant", "content": "", "tool_calls": [call]},
+                 {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+        chat = http.post("/tokenize", json={"messages": tools}).json()
+        served = http.post("/v1/chat/completions", json={
+            "messages": tools, "max_tokens": 1, "return_token_ids": True}).json()
+        assert chat["tokens"] == served["prompt_token_ids"]
         assert http.post("/detokenize", json={"tokens": out["tokens"]}).json() == {
             "prompt": tokenizer.decode(out["tokens"])}
         for path, body in (("/tokenize", {}), ("/tokenize", {"prompt": "a", "messages": MESSAGES}),

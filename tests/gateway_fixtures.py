@@ -344,6 +344,31 @@ def cluster_fixture():
     return cluster
 
 
+# The requests the OpenAI-client test modules share.
+GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
+PROMPT = "the quick brown fox"
+MESSAGES = [{"role": "user", "content": "hello tandem"}]
+
+
+def openai_fixtures():
+    """Module fixtures beside ``module_cluster``'s gateway: the official
+    ``openai`` client on it, and the tiny model's tokenizer. Use as
+    ``client, tokenizer = openai_fixtures()``."""
+
+    @pytest.fixture(scope="module")
+    def client(gateway):
+        with gateway.client() as c:
+            yield c
+
+    @pytest.fixture(scope="module")
+    def tokenizer():
+        from engine.tokenizer import Tokenizer
+
+        return Tokenizer(tiny_model())
+
+    return client, tokenizer
+
+
 def traced_cluster_fixture():
     """Module fixtures: a trace file, and a cluster whose every process writes
     its spans there. Use as ``trace_file, cluster = traced_cluster_fixture()``."""

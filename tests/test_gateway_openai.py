@@ -10,36 +10,24 @@ import json
 import openai
 import pytest
 from gateway_fixtures import (
+    GREEDY,
+    MESSAGES,
+    PROMPT,
     SERVED,
     module_cluster,
+    openai_fixtures,
     start_gateway,
     start_workers,
-    tiny_model,
     wait_blocks_free,
 )
 from worker_fixtures import metric
 
-from engine.tokenizer import Tokenizer
 from tandem.cluster import LocalCluster
 
 NUM_BLOCKS = 64
-GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
-PROMPT = "the quick brown fox"
-MESSAGES = [{"role": "user", "content": "hello tandem"}]
-
 
 cluster, workers, gateway, no_leaks = module_cluster(NUM_BLOCKS)
-
-
-@pytest.fixture(scope="module")
-def client(gateway):
-    with gateway.client() as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return Tokenizer(tiny_model())
+client, tokenizer = openai_fixtures()
 
 
 def test_models(client, gateway):

@@ -8,28 +8,19 @@ from __future__ import annotations
 
 import openai
 import pytest
-from gateway_fixtures import SERVED, module_cluster, tiny_model
-
-from engine.tokenizer import Tokenizer
+from gateway_fixtures import (
+    GREEDY,
+    MESSAGES,
+    PROMPT,
+    SERVED,
+    module_cluster,
+    openai_fixtures,
+)
 
 NUM_BLOCKS = 64
-GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
-PROMPT = "the quick brown fox"
-MESSAGES = [{"role": "user", "content": "hello tandem"}]
-
 
 cluster, workers, gateway, no_leaks = module_cluster(NUM_BLOCKS)
-
-
-@pytest.fixture(scope="module")
-def client(gateway):
-    with gateway.client() as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return Tokenizer(tiny_model())
+client, tokenizer = openai_fixtures()
 
 
 def test_a_stop_token_is_the_stop_reason(client, tokenizer):

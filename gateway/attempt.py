@@ -33,7 +33,7 @@ from gateway.router import WorkerPool, WorkerView
 from gateway.sequence import Chunk, Sequence
 from gateway.stall import StallWatch
 from gateway.state import State
-from rpc.convert import params_to_proto
+from rpc.convert import params_to_proto, stop_reason_from_proto
 from rpc.errors import Overloaded, Unavailable, from_rpc_error
 from rpc.protos import worker_pb2
 from rpc.tracing import current, end_span, tracer
@@ -276,7 +276,7 @@ class Attempts:
                 chunk = Chunk(
                     index=seq.index, token_ids=list(c.token_ids), text=c.text,
                     logprobs=list(c.logprobs), finish_reason=c.finish_reason or None,
-                    stop_reason=c.stop_reason, prompt_tokens=c.usage.prompt_tokens,
+                    stop_reason=stop_reason_from_proto(c), prompt_tokens=c.usage.prompt_tokens,
                     cached_tokens=c.usage.cached_tokens,
                     # On the completion's first chunk only (a migrated request's
                     # worker computes them again).
@@ -353,7 +353,7 @@ def _first_chunk(seq: Sequence, first: worker_pb2.PrefillResponse) -> Chunk:
     return Chunk(
         index=seq.index, token_ids=[first.first_token_id], text=first.text,
         logprobs=[first.first_logprobs] if first.HasField("first_logprobs") else [],
-        finish_reason=first.finish_reason or None, stop_reason=first.stop_reason,
+        finish_reason=first.finish_reason or None, stop_reason=stop_reason_from_proto(first),
         # NOTE: as the decode worker reports a prompt it did not compute.
         prompt_tokens=len(seq.prompt), cached_tokens=0,
         prompt_logprobs=list(first.prompt_logprobs),

@@ -166,8 +166,7 @@ def build_app(service: GatewayService) -> FastAPI:
         echo = [p if isinstance(p, str) else await service.off_loop(service.tokenizer.decode, p)
                 for p in prompts] if body.echo else None
         render = CompletionRenderer(service, rid, token_lists, params[0].n, body.logprobs or 0,
-                                     params[0].stop_token_ids, body.return_token_ids, echo,
-                                     body.prompt_logprobs)
+                                     body.return_token_ids, echo, body.prompt_logprobs)
         return await _answer(render, _merge(service, rid, token_lists, params, span), body)
 
     @app.post("/v1/chat/completions")
@@ -196,8 +195,7 @@ def build_app(service: GatewayService) -> FastAPI:
         service.check_request(tokens, params)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         render = ChatRenderer(service, rid, tokens, params.n, top or 0, tool_parser, names,
-                              params.stop_token_ids, body.return_token_ids,
-                              body.prompt_logprobs)
+                              body.return_token_ids, body.prompt_logprobs)
         return await _answer(render, _merge(service, rid, [tokens], [params], span), body)
 
     return app

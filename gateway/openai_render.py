@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from gateway.sequence import Chunk
@@ -17,11 +17,9 @@ class Renderer:
     chunk_object = ""
 
     def __init__(self, service: GatewayService, rid: str, num_choices: int,
-                 prompts: list[list[int]], stop_token_ids: Iterable[int] = (),
-                 return_token_ids: bool = False, prompt_logprobs: int | None = None) -> None:
-        """``prompts``: each prompt's token ids. ``stop_token_ids``: the
-        request's, to tell a stop token (an int in ``stop_reason``, as vLLM
-        gives it) from a stop string. ``return_token_ids``: vLLM's, each
+                 prompts: list[list[int]], return_token_ids: bool = False,
+                 prompt_logprobs: int | None = None) -> None:
+        """``prompts``: each prompt's token ids. ``return_token_ids``: vLLM's, each
         choice's token ids (and its prompt's) in the response.
         ``prompt_logprobs``: vLLM's, the prompt's logprobs in a collected
         response, with this many top tokens at each position."""
@@ -31,7 +29,6 @@ class Renderer:
         self._texts: dict[int, str] = {}  # token id -> its text, decoded once a request
         self._prompt_entries: dict[int, list] = {}  # prompt -> its vLLM prompt_logprobs
         self.prompts = prompts
-        self.stop_token_ids = frozenset(stop_token_ids)
         self.return_token_ids = return_token_ids
         self.rid = rid
         self.created = int(time.time())
@@ -54,15 +51,11 @@ class Renderer:
                 "total_tokens": prompt + self.completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens.values())}}
 
-    def stop_reason(self, chunk: Chunk) -> int | str | None:
+    @staticmethod
+    def stop_reason(chunk: Chunk) -> int | str | None:
         """What stopped the completion, as vLLM reports it: the stop string,
         the stop token id, or None (EOS, length, not finished)."""
-        reason = chunk.stop_reason
-        if not reason or not chunk.finish_reason:
-            return None
-        if reason.isdigit() and int(reason) in self.stop_token_ids:
-            return int(reason)
-        return reason
+        return chunk.stop_reason if chunk.finish_reason else None
 
     async def vllm_prompt_logprobs(self, p: int) -> list[dict | None]:
         """Prompt ``p``'s logprobs as vLLM's ``prompt_logprobs``: per token
@@ -134,12 +127,12 @@ def top_entries(lp, n: int) -> list[tuple[int, float, int]]:
 
 class CompletionRenderer(Renderer):
     def __init__(self, service, rid, prompts: list[list[int]], n: int, top_n: int,
-                 stop_token_ids: Iterable[int] = (), return_token_ids: bool = False,
-                 echo: list[str] | None = None, prompt_logprobs: int | None = None) -> None:
+                 return_token_ids: bool = False, echo: list[str] | None = None,
+                 prompt_logprobs: int | None = None) -> None:
         """``echo``: each prompt's text, put before its completions (with the
         prompt's logprobs, when asked: the first token's is None)."""
-        super().__init__(service, rid, len(prompts) * n, prompts, stop_token_ids,
-                         return_token_ids, prompt_logprobs)
+        super().__init__(service, rid, len(prompts) * n, prompts, return_token_ids,
+                         prompt_logprobs)
         self.n = n
         self.top_n = top_n
         self.offsets: dict[int, int] = {}
@@ -240,10 +233,8 @@ class CompletionRenderer(Renderer):
 class ChatRenderer(Renderer):
     def __init__(self, service, rid, prompt: list[int], n: int, top_n: int, tool_parser=None,
                  tool_names: frozenset[str] | None = None,
-                 stop_token_ids: Iterable[int] = (), return_token_ids: bool = False,
-                 prompt_logprobs: int | None = None) -> None:
-        super().__init__(service, rid, n, [prompt], stop_token_ids, return_token_ids,
-                         prompt_logprobs)
+                 return_token_ids: bool = False, prompt_logprobs: int | None = None) -> None:
+        super().__init__(service, rid, n, [prompt], return_token_ids, prompt_logprobs)
         self.top_n = top_n
         # Finds tool calls in each choice's text (gateway/tool_parsers.py); None: no tools.
         self.tool_parser = tool_parser

@@ -25,7 +25,7 @@ class Chunk:
     text: str
     logprobs: list = field(default_factory=list)  # TokenLogprobs protos
     finish_reason: str | None = None
-    stop_reason: str = ""
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     prompt_tokens: int = 0
     cached_tokens: int = 0
     prompt_logprobs: list = field(default_factory=list)

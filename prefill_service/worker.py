@@ -19,7 +19,7 @@ from kv_transfer.layout import KVLayout
 from kv_transfer.mooncake_transport import MooncakeSender
 from kv_transfer.progress import PrefillProgress, PromptDone
 from kv_transfer.torch_transport import TorchSender
-from rpc.convert import logprobs_to_proto, params_from_proto
+from rpc.convert import logprobs_to_proto, params_from_proto, set_stop_reason
 from rpc.errors import Fenced
 from rpc.pool import ChannelPool
 from rpc.protos import worker_pb2
@@ -225,7 +225,7 @@ class PrefillWorker(WorkerBase):
             # The first token ends the request (EOS, a stop token or string,
             # max_tokens): the engine's last output is the whole completion.
             resp.text, resp.finish_reason = text, comp.finish_reason
-            resp.stop_reason = "" if comp.stop_reason is None else str(comp.stop_reason)
+            set_stop_reason(resp, comp.stop_reason)
         else:
             # Only the max_tokens=1 of this prefill ended it: the engine's
             # final output flushed what a stream that goes on holds back.

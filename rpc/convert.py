@@ -65,6 +65,22 @@ def params_to_proto(s: SamplingParams) -> common_pb2.SamplingParams:
     return p
 
 
+def set_stop_reason(msg, reason: int | str | None) -> None:
+    """Put what ended a completion, a stop token id or a stop string (None:
+    neither), into a ``PrefillResponse`` or ``DecodeChunk``."""
+    if isinstance(reason, int):
+        msg.stop_token_id = reason
+    elif reason is not None:
+        msg.stop_reason = reason
+
+
+def stop_reason_from_proto(msg) -> int | str | None:
+    """The inverse of ``set_stop_reason``."""
+    if msg.HasField("stop_token_id"):
+        return msg.stop_token_id
+    return msg.stop_reason or None
+
+
 def logprobs_to_proto(token_id: int, entry: dict[int, float] | None) -> common_pb2.TokenLogprobs:
     """``entry`` holds the chosen token and the top-N, best first after it."""
     if entry is None:

@@ -42,6 +42,19 @@ def test_a_stop_token_is_the_stop_reason(client, tokenizer):
         assert last.finish_reason == "stop" and last.stop_reason == token
 
 
+def test_a_stop_string_of_digits_is_not_a_stop_token(client, tokenizer):
+    # "7" forced by logit_bias, stopped by the string "7" while token id 7 is
+    # also a stop token: the reason is the string, as the request gave it.
+    [seven] = tokenizer.encode("7", add_special_tokens=False)
+    assert seven != 7
+    for stream in (False, True):
+        out = client.completions.create(model=SERVED, prompt=PROMPT, max_tokens=6, stream=stream,
+                                        stop=["7"], logit_bias={str(seven): 100}, temperature=0,
+                                        extra_body={"ignore_eos": True, "stop_token_ids": [7]})
+        last = list(out)[-1].choices[0] if stream else out.choices[0]
+        assert last.finish_reason == "stop" and last.stop_reason == "7"
+
+
 def test_logit_bias_and_allowed_token_ids(client, tokenizer):
     fox = tokenizer.encode("fox", add_special_tokens=False)[0]
     want = tokenizer.decode([fox] * 6)

@@ -34,6 +34,7 @@ from worker_fixtures import (
 from engine.sampling_params import SamplingParams
 from kv_transfer.torch_frames import done_frame, payload_frame
 from kv_transfer.torch_pair import PAYLOAD_TAG, make_group
+from rpc.convert import stop_reason_from_proto
 from rpc.protos import worker_pb2
 from tandem.cluster import LocalCluster
 
@@ -166,8 +167,8 @@ async def test_first_token_from_the_prefill_is_not_streamed_again(workers, offli
         assert first.first_token_id == want.token_ids[0]
         assert first.HasField("first_logprobs") == (sp.logprobs is not None)
         if len(want.token_ids) == 1:
-            assert (first.finish_reason, first.stop_reason) == (
-                want.finish_reason, "" if want.stop_reason is None else str(want.stop_reason))
+            assert (first.finish_reason, stop_reason_from_proto(first)) == (
+                want.finish_reason, want.stop_reason)
             assert await gw.abort(decode, rid)  # what the gateway does instead of Decode
             continue
         assert first.finish_reason == ""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from engine.outputs import CompletionOutput, RequestOutput
-from rpc.convert import logprobs_to_proto
+from rpc.convert import logprobs_to_proto, set_stop_reason
 from rpc.protos import common_pb2, worker_pb2
 
 
@@ -11,8 +11,8 @@ def to_chunk(out: RequestOutput, comp: CompletionOutput) -> worker_pb2.DecodeChu
     chunk = worker_pb2.DecodeChunk(
         token_ids=comp.delta_token_ids, text=comp.delta_text,
         finish_reason=comp.finish_reason or "",
-        stop_reason="" if comp.stop_reason is None else str(comp.stop_reason),
     )
+    set_stop_reason(chunk, comp.stop_reason)
     if comp.logprobs is not None and comp.delta_token_ids:
         new = comp.logprobs[len(comp.logprobs) - len(comp.delta_token_ids):]
         chunk.logprobs.extend(

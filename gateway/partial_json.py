@@ -8,29 +8,53 @@ from __future__ import annotations
 import json
 import re
 
+_STRING = r'"((?:[^"\\]|\\.)*)"'
+_ARGS_KEY = r'"(?:arguments|parameters)"\s*:\s*'
 # {"name": "<name>", "arguments" or "parameters": <value...>
-_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*' + _STRING + r'\s*,\s*' + _ARGS_KEY)
+# The other way round: {"arguments": <value>, "name": "<name>"}
+_ARGS_FIRST = re.compile(r'\s*\{\s*' + _ARGS_KEY)
+_NAME_LAST = re.compile(r'\s*,\s*"name"\s*:\s*' + _STRING + r'\s*\}')
 
 
 def scan_call(text: str, pos: int) -> tuple[str, str, bool, int | None] | None:
     """The call object starting at ``pos`` (after whitespace): (name, its
     arguments text so far, whether they are complete, the index after the
     object or None while it is open). None until the arguments have begun,
-    and for arguments that are not an object."""
+    and for arguments that are not an object. A call with its arguments
+    before its name is read once it is whole (its name comes last, and a
+    stream names a call before its arguments)."""
     m = _HEAD.match(text, pos)
     if m is None:
-        return None
-    try:
-        name = json.loads(f'"{m.group(1)}"')
-    except ValueError:
-        return None
-    if text[m.end():m.end() + 1] != "{":
+        return _arguments_first(text, pos)
+    name = _unquote(m.group(1))
+    if name is None or text[m.end():m.end() + 1] != "{":
         return None
     end = value_end(text, m.end())
     if end is None:
         return name, text[m.end():], False, None
     close = text.find("}", end)
     return name, text[m.end():end], True, (close + 1 if close >= 0 else None)
+
+
+def _arguments_first(text: str, pos: int) -> tuple[str, str, bool, int] | None:
+    m = _ARGS_FIRST.match(text, pos)
+    if m is None or text[m.end():m.end() + 1] != "{":
+        return None
+    end = value_end(text, m.end())
+    tail = None if end is None else _NAME_LAST.match(text, end)
+    name = None if tail is None else _unquote(tail.group(1))
+    if name is None:
+        return None
+    return name, text[m.end():end], True, tail.end()
+
+
+def _unquote(body: str) -> str | None:
+    """A JSON string's value from the text between its quotes; None if invalid."""
+    try:
+        return json.loads(f'"{body}"')
+    except ValueError:
+        return None
 
 
 def value_end(text: str, pos: int) -> int | None:

@@ -44,7 +44,7 @@ class Hermes:
             return Seen(without_partial_tag(text, self.OPEN))
         out = Seen(text[:at], is_calls=True)
         while at >= 0:
-            call = scan_call(text, at + len(self.OPEN)) or self._whole_call(text, at)
+            call = scan_call(text, at + len(self.OPEN))
             if call is None:
                 break
             out.calls.append(call[:3])
@@ -52,21 +52,6 @@ class Hermes:
                 break
             at = text.find(self.OPEN, call[3])
         return out
-
-    def _whole_call(self, text: str, at: int) -> tuple[str, str, bool, int] | None:
-        """A closed call that ``scan_call`` cannot read as it streams (its
-        keys in another order): read whole once its closing tag is in."""
-        close = text.find(self.CLOSE, at)
-        if close < 0:
-            return None
-        try:
-            call = json.loads(text[at + len(self.OPEN):close])
-        except ValueError:
-            return None
-        if not (isinstance(call, dict) and set(call) == {"name", "arguments"}
-                and isinstance(call["name"], str) and isinstance(call["arguments"], dict)):
-            return None
-        return call["name"], json.dumps(call["arguments"]), True, close
 
     @staticmethod
     def render_call(name: str, arguments: dict | str) -> str:

@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from gateway.partial_json import scan_call
 from gateway.protocol import ChatMessage
 from gateway.tool_parsers import (
     Hermes,
@@ -105,15 +106,33 @@ def test_what_is_not_a_call_stays_content(text):
     assert not stream.called and not stream.complete
 
 
-def test_a_call_with_its_keys_the_other_way_round():
-    text = 'Sure. <tool_call>{"arguments": {"city": "Paris"}, "name": "get_weather"}</tool_call>'
-    content, calls = finished_calls(Hermes(), text, WEATHER)
-    assert content == "Sure." and [c["function"]["name"] for c in calls] == ["get_weather"]
-    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
-    stream = ToolCallStream(Hermes(), WEATHER)
+HERMES_BACKWARDS = ('Sure. <tool_call>{"arguments": {"city": "Paris"}, "name": "get_weather"}'
+                    '</tool_call>')
+LLAMA_BACKWARDS = ('{"parameters": {"city": "Paris"}, "name": "get_weather"}; '
+                   '{"name": "get_weather", "parameters": {"city": "Oslo"}}')
+REQUIRED_BACKWARDS = ('[{"arguments": {"city": "Paris"}, "name": "get_weather"}, '
+                      '{"name": "get_weather", "arguments": {"city": "Oslo"}}]')
+
+
+@pytest.mark.parametrize("parser, text, content, cities", [
+    (Hermes(), HERMES_BACKWARDS, "Sure.", ["Paris"]),
+    (Llama3Json(), LLAMA_BACKWARDS, None, ["Paris", "Oslo"]),
+    (Required(), REQUIRED_BACKWARDS, None, ["Paris", "Oslo"]),
+])
+def test_a_call_with_its_keys_the_other_way_round(parser, text, content, cities):
+    got, calls = finished_calls(parser, text, WEATHER)
+    assert got == content and [c["function"]["name"] for c in calls] == ["get_weather"] * len(cities)
+    assert [json.loads(c["function"]["arguments"])["city"] for c in calls] == cities
+    stream = ToolCallStream(parser, WEATHER)
     streamed, entries = _streamed(stream, text)
-    assert streamed.strip() == "Sure." and stream.complete
-    assert json.loads("".join(e["function"]["arguments"] for e in entries)) == {"city": "Paris"}
+    assert streamed.strip() == (content or "") and stream.complete
+    args = [""] * len(cities)
+    for e in entries:
+        args[e["index"]] += e["function"]["arguments"]
+    assert [json.loads(a)["city"] for a in args] == cities
+    # A backwards call not yet closed is not a call yet: nothing to name it by.
+    assert scan_call(text, text.index("{")) is not None
+    assert scan_call(text[:text.index("}") + 1], text.index("{")) is None
 
 
 def test_a_cut_off_call_is_not_complete():

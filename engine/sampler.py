@@ -202,7 +202,7 @@ def _apply_penalties_and_bans(logits: torch.Tensor, requests: list[Request],
         if params.logit_bias or params.allowed_token_ids is not None:
             row += _logit_offsets(request, row)
         if request.bad_word_ids:
-            row[_completing(request.bad_word_ids, request.output_token_ids, vocab)] = float("-inf")
+            row[_completing(request.bad_word_ids, request, vocab)] = float("-inf")
         if request.num_output_tokens < params.min_tokens:
             banned = list(params.stop_token_ids)
             if not params.ignore_eos:
@@ -235,10 +235,12 @@ def _logit_offsets(request, row: torch.Tensor) -> torch.Tensor:
     return offsets
 
 
-def _completing(words: list[list[int]], output: list[int], vocab: int) -> list[int]:
-    """The last tokens of ``words`` whose other tokens end ``output``."""
-    return [w[-1] for w in words if w[-1] < vocab
-            and (len(w) == 1 or output[len(output) - len(w) + 1:] == w[:-1])]
+def _completing(words: list[list[int]], request: Request, vocab: int) -> list[int]:
+    """The last tokens of ``words`` whose other tokens end the request's
+    output (read in place: no copy of a long output every step)."""
+    ids, room = request.token_ids, request.num_output_tokens + 1
+    return [w[-1] for w in words if w[-1] < vocab and len(w) <= room
+            and (len(w) == 1 or ids[len(ids) - len(w) + 1:] == w[:-1])]
 
 
 def _penalized_rows(requests: list[Request]) -> list[int]:

@@ -220,10 +220,20 @@ def test_logit_bias_allowed_token_ids_and_bad_words(llm):
 
 
 def test_bad_words_complete_only_after_their_other_tokens():
+    from types import SimpleNamespace
+
     from engine.sampler import _completing
 
+    def after(prompt, output):
+        return SimpleNamespace(token_ids=prompt + output, num_output_tokens=len(output))
+
     words = [[5], [7, 8], [1, 2, 3]]
-    assert _completing(words, [], 100) == [5]
-    assert _completing(words, [4, 7], 100) == [5, 8]
-    assert _completing(words, [1, 2], 100) == [5, 3]
-    assert _completing(words, [2, 1], 100) == [5]
+    assert _completing(words, after([9], []), 100) == [5]
+    assert _completing(words, after([9], [4, 7]), 100) == [5, 8]
+    assert _completing(words, after([9], [1, 2]), 100) == [5, 3]
+    assert _completing(words, after([9], [2, 1]), 100) == [5]
+    # Only generated tokens start a word: the prompt's last ones do not.
+    assert _completing(words, after([1, 2], []), 100) == [5]
+    assert _completing(words, after([4, 1], [2]), 100) == [5]
+    assert _completing(words, after([1], [2]), 100) == [5]
+    assert _completing(words, after([4], [1, 2]), 100) == [5, 3]

@@ -95,6 +95,6 @@ def as_object(arguments: dict | str) -> dict | str:
     if isinstance(arguments, str):
         try:
             return json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested too deep to read
             return arguments
     return arguments

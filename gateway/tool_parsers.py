@@ -177,7 +177,7 @@ def all_valid(calls: list[tuple[str, str, bool]], names: frozenset[str] | None) 
             return False
         try:
             json.loads(args)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested too deep to read
             return False
     return bool(calls)
 

@@ -145,7 +145,7 @@ def _template_call(call: Any) -> dict[str, Any]:
     args = fn.get("arguments", "{}")
     try:
         args = json.loads(args) if isinstance(args, str) else args
-    except ValueError:
-        raise InvalidField("messages", f"tool call arguments are not JSON: {args!r}") from None
+    except (ValueError, RecursionError):  # RecursionError: nested too deep to read
+        raise InvalidField("messages", f"tool call arguments are not JSON: {args[:80]!r}") from None
     return {"id": call.get("id"), "type": "function",
             "function": {"name": fn.get("name"), "arguments": args}}

@@ -35,6 +35,22 @@ def test_invalid_specs_raise_naming_the_field(spec, field):
         SamplingParams(structured_outputs=StructuredOutputsParams(**spec))
 
 
+def _nested(depth: int) -> dict:
+    schema = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+def test_schemas_nested_too_deep_are_refused_not_crashed_on():
+    # A dict thousands of levels deep crashed the process inside llguidance;
+    # as text, past Python's own JSON reader, it was a RecursionError.
+    assert StructuredOutputsParams(json=_nested(63)).key  # 64 levels
+    for schema in (_nested(64), _nested(5000), '{"items": ' * 3000 + "{}" + "}" * 3000):
+        with pytest.raises(ValueError, match="nested more than 64 levels"):
+            StructuredOutputsParams(json=schema)
+
+
 def test_spec_crosses_the_wire_unchanged():
     for spec in ({"json": {"type": "object", "properties": {"a": {"enum": [1, 2]}}}},
                  {"regex": r"\d+"}, {"choice": ["a b", "c|d"]}, {"json_object": True},

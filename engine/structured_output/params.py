@@ -19,6 +19,9 @@ _JSON_OPTIONS = {"whitespace_flexible": False}
 # Characters a Rust regex (llguidance's dialect) needs escaped to match themselves.
 _REGEX_META = set("\\.+*?()|[]{}^$#&-~")
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
+# Deeper schemas are refused: llguidance reads them recursively (thousands of
+# levels crash the process), and no real schema comes near this.
+MAX_SCHEMA_DEPTH = 64
 
 
 @dataclass
@@ -125,9 +128,25 @@ def _schema(value: Any, where: str) -> dict[str, Any]:
             value = jsonlib.loads(value)
         except ValueError as exc:
             raise ValueError(f"{where} is not valid JSON: {exc}") from None
+        except RecursionError:
+            value = None  # nested too deep for Python's reader: refused below
+    if value is None or _depth_over(value, MAX_SCHEMA_DEPTH):
+        raise ValueError(f"{where} is nested more than {MAX_SCHEMA_DEPTH} levels deep")
     if not isinstance(value, dict):
         raise ValueError(f"{where} must be a JSON Schema object")
     return value
+
+
+def _depth_over(value: Any, limit: int) -> bool:
+    """Whether ``value`` nests objects and arrays more than ``limit`` deep
+    (walked without recursion, so any depth is safe to ask about)."""
+    level, depth = [value], 0
+    while level := [v for v in level if isinstance(v, dict | list)]:
+        depth += 1
+        if depth > limit:
+            return True
+        level = [child for v in level for child in (v.values() if isinstance(v, dict) else v)]
+    return False
 
 
 def _escape(text: str) -> str:

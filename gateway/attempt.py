@@ -106,8 +106,14 @@ class Attempts:
         needed = len(seq.prompt) + len(seq.sent) + 1
         candidates = self.pool.decode_candidates(needed, tried, exclude=seq.aborting)
         if not candidates:
-            if not self.pool.decode_workers():
+            workers = self.pool.decode_workers()
+            if not workers:
                 raise NoWorkerAvailable("no decode worker is available")
+            largest = max(w.num_blocks * w.block_size for w in workers)
+            if needed > largest and not seq.sent:
+                # Never, not just not now: a 400, as the worker itself would answer.
+                raise ValueError(f"the request needs the KV cache of {needed} tokens, the "
+                                 f"largest decode worker's holds {largest}")
             raise Overloaded("no decode worker has room for the request")
         params = params_to_proto(seq.params)
         local = self.pool.colocated or bool(seq.sent) or not self._decide(seq, candidates,

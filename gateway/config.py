@@ -73,6 +73,7 @@ class GatewayConfig:
     max_n: int = _opt(16, "most completions one request may ask for (n)")
     max_prompts: int = _opt(64, "most prompts in one /v1/completions request")
     max_messages: int = _opt(1024, "most messages in one chat request")
+    max_tools: int = _opt(128, "most tools in one chat request (OpenAI's limit)")
     max_stop: int = _opt(16, "most stop strings plus stop token ids in one request")
     max_stop_chars: int = _opt(1024, "longest stop string or bad word, in characters")
     max_bad_words: int = _opt(64, "most bad_words in one request (each tokenized by the workers)")
@@ -116,7 +117,7 @@ class GatewayConfig:
             raise ValueError(f"tool_call_parser must be one of {PARSERS}, "
                              f"got {self.tool_call_parser!r}")
         for name in ("max_active_requests", "max_body_bytes", "max_n", "max_prompts",
-                     "max_messages", "max_stop", "max_stop_chars", "max_bad_words",
+                     "max_messages", "max_tools", "max_stop", "max_stop_chars", "max_bad_words",
                      "max_logit_bias", "tokenizer_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")

@@ -25,7 +25,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def Generate(self, request: generation_pb2.GenerateRequest, context):
         service = self.service
         service.check_model(request.model or None)
-        params = params_from_proto(request.params)
+        # Off the event loop: an output constraint's grammar compiles here.
+        params = await service.off_loop(params_from_proto, request.params)
         if request.WhichOneof("prompt") == "text":
             prompt = await service.off_loop(service.tokenize_prompt, request.text)
         elif request.WhichOneof("prompt") == "token_ids":

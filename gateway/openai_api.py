@@ -154,7 +154,8 @@ def build_app(service: GatewayService) -> FastAPI:
                              f"request, got {len(prompts)}")
         with _child(span, "gateway.tokenize"):
             token_lists = [await service.off_loop(service.tokenize_prompt, p) for p in prompts]
-        constraint = constraint_of(body)
+        # Compiling a grammar can take seconds: never on the event loop.
+        constraint = await service.off_loop(constraint_of, body)
         # echo with logprobs: the prompt's tokens get theirs too.
         prompt_logprobs = body.prompt_logprobs_with(body.logprobs if body.echo else None)
         params = [body.sampling(
@@ -177,8 +178,11 @@ def build_app(service: GatewayService) -> FastAPI:
         service.check_model(body.model)
         if not body.messages:
             raise InvalidField("messages", "messages must be a non-empty list")
-        service.check_messages(len(body.messages))
-        constraint, tool_parser, names, messages, tools = _chat_tools(service, body)
+        service.check_chat(len(body.messages), len(body.tools or []))
+        # Compiling the tools' and response_format's grammars can take
+        # seconds: never on the event loop.
+        constraint, tool_parser, names, messages, tools = await service.off_loop(
+            _chat_tools, service, body)
         with _child(span, "gateway.tokenize"):
             tokens = await service.off_loop(service.tokenize_chat, messages,
                                             body.add_generation_prompt, tools)

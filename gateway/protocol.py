@@ -6,6 +6,7 @@ Field names and defaults follow OpenAI's API; vLLM's extra sampling fields
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
@@ -14,6 +15,9 @@ from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutputsParams
 from engine.tokenizer import content_text
 from gateway.structured import InvalidField
+
+
+_TOKEN_ID = re.compile(r"[0-9]+")  # ASCII digits only: str.isdigit also takes "²" and "٣"
 
 
 class StreamOptions(BaseModel):
@@ -66,6 +70,7 @@ class _Common(BaseModel):
                  prompt_logprobs: int | None = None,
                  structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         """Raises ValueError with the same messages as the Python API."""
+        self.check_fields()
         return SamplingParams(
             n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -81,6 +86,11 @@ class _Common(BaseModel):
             bad_words=self.bad_words,
         )
 
+    def check_fields(self) -> None:
+        """InvalidField for fields that make no sense together."""
+        if self.stream_options is not None and not self.stream:
+            raise InvalidField("stream_options", "stream_options need stream: true")
+
     def prompt_logprobs_with(self, echoed: int | None = None) -> int | None:
         """The engine's ``prompt_logprobs``: this request's, or ``echoed``
         (an echo's with logprobs) if more."""
@@ -95,7 +105,7 @@ class _Common(BaseModel):
             return None
         bias = {}
         for key, value in self.logit_bias.items():
-            if not key.isdigit():
+            if not _TOKEN_ID.fullmatch(key):
                 raise InvalidField("logit_bias", f"logit_bias keys must be token ids, got {key!r}")
             bias[int(key)] = value
         return bias
@@ -138,6 +148,11 @@ class ChatCompletionRequest(_Common):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
+
+    def check_fields(self) -> None:
+        super().check_fields()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidField("top_logprobs", "top_logprobs need logprobs: true")
 
 
 class TokenizeRequest(BaseModel):

@@ -30,6 +30,7 @@ from gateway.orchestrator import Orchestrator
 from gateway.router import WorkerPool
 from gateway.sequence import Chunk
 from gateway.state import make_store
+from gateway.structured import InvalidField
 from gateway.worker_gauges import WorkerGauges
 from rpc.errors import Draining, NotFound, Overloaded
 from rpc.pool import ChannelPool
@@ -135,11 +136,15 @@ class GatewayService:
         threads: a 10 MB prompt must not stall every other request's stream."""
         return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
 
-    def check_messages(self, count: int) -> None:
-        """ValueError for more chat messages than ``--max-messages``."""
-        if count > self.config.max_messages:
+    def check_chat(self, messages: int, tools: int = 0) -> None:
+        """ValueError for more chat messages than ``--max-messages``, or more
+        tools than ``--max-tools``."""
+        if messages > self.config.max_messages:
             raise ValueError(f"at most {self.config.max_messages} messages are allowed, "
-                             f"got {count}")
+                             f"got {messages}")
+        if tools > self.config.max_tools:
+            raise InvalidField("tools", f"at most {self.config.max_tools} tools are allowed, "
+                                        f"got {tools}")
 
     def check_request(self, prompt: list[int], params: SamplingParams) -> None:
         """ValueError (a 400) for a request over a limit or the context: the

@@ -35,12 +35,13 @@ def add_vllm_routes(app: FastAPI, service: GatewayService) -> None:
         if (body.prompt is None) == (body.messages is None):
             raise ValueError("give either prompt or messages")
         if body.messages is not None:
-            service.check_messages(len(body.messages))
+            service.check_chat(len(body.messages))
             # As /v1/chat/completions gives them to the template (earlier
             # tool calls and results included), with no tools offered.
-            messages, _ = chat_messages(body.messages, [], parse_tool_choice(None, []),
-                                        service.tokenizer.chat_template or "",
-                                        make_parser(service.config.tool_call_parser))
+            messages, _ = await service.off_loop(
+                chat_messages, body.messages, [], parse_tool_choice(None, []),
+                service.tokenizer.chat_template or "",
+                make_parser(service.config.tool_call_parser))
             tokens = await service.off_loop(service.tokenize_chat, messages,
                                             body.add_generation_prompt)
         else:

@@ -47,6 +47,17 @@ def http(gateway):
 
 # ---- 400 ---------------------------------------------------------------------------------
 
+def _nested_schema(depth: int) -> str:
+    schema = '{"type": "string"}'
+    for _ in range(depth):
+        schema = '{"type": "array", "items": %s}' % schema
+    return schema
+
+
+DEEP_SCHEMA, DEEPER_SCHEMA = _nested_schema(200), _nested_schema(3000)
+DEEP_ARGUMENTS = "[" * 5000 + "]" * 5000
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
 COMPLETION_CASES = {
     "temperature": ({"temperature": -1}, "temperature"),
     "top_p": ({"top_p": 2}, "top_p"),
@@ -85,6 +96,14 @@ COMPLETION_CASES = {
     "long_bad_word": ({"bad_words": ["x" * 1025]}, "bad word"),
     "too_many_logit_biases": ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"),
     "too_many_allowed_tokens": ({"allowed_token_ids": [1] * 100_000}, "allowed_token_ids"),
+    "superscript_logit_bias_key": ({"logit_bias": {"²": 1}}, "token ids"),
+    "arabic_digit_logit_bias_key": ({"logit_bias": {"٣": 1}}, "token ids"),
+    "stream_options_without_stream": ({"stream_options": {"include_usage": True}},
+                                      "stream_options"),
+    # Nested past what llguidance reads safely (the string form: past what
+    # Python's own JSON reader can).
+    "deep_guided_json": ({"guided_json": DEEP_SCHEMA}, "nested more than 64"),
+    "deeper_guided_json": ({"guided_json": DEEPER_SCHEMA}, "nested more than 64"),
 }
 
 
@@ -128,6 +147,16 @@ CHAT_CASES = {
     "tools": {"tools": [{"type": "function", "function": {"description": "no name"}}]},
     "huge_n": {"n": 10000},
     "too_many_messages": {"messages": [{"role": "user", "content": "hi"}] * 1025},
+    "too_many_tools": {"tools": [{"type": "function", "function": {"name": f"f{i}"}}
+                                 for i in range(129)]},
+    "top_logprobs_without_logprobs": {"top_logprobs": 2},
+    "deep_tool_parameters": {"tools": [{"type": "function", "function": {
+        "name": "f", "parameters": DEEPER_SCHEMA}}], "tool_choice": "required"},
+    "deep_tool_call_arguments": {"tools": [TOOL], "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+         "function": {"name": "f", "arguments": DEEP_ARGUMENTS}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"}]},
 }
 
 
@@ -334,40 +363,33 @@ def test_keys_rotate_from_a_file_without_a_restart(cluster, workers, tmp_path):
         gateway.proc.terminate()
 
 
-# ---- 429 ---------------------------------------------------------------------------------
-
-
-def test_no_decode_room_is_429(cluster, workers):
-    # 500 prompt tokens fit the model's context but not the decode worker's
-    # 384-token cache: refused before any compute, with Retry-After.
+def test_a_prompt_no_decode_worker_can_ever_hold_is_400(cluster, workers):
+    # 500 prompt tokens fit the model's context but not the only decode
+    # worker's 384-token cache: never servable here, so not a 429 to retry.
     small = start_workers(cluster, ["decode"], SMALL_BLOCKS)
     gateway = start_gateway(cluster, [workers[0], *small])
     try:
-        _no_room(gateway)
+        with gateway.http() as http:
+            response = http.post("/v1/completions", json={
+                "model": SERVED, "prompt": [5] * 500, "max_tokens": 4})
+            error = assert_error(response, 400)
+            assert "largest decode worker" in error["message"] and "384" in error["message"]
+            # A prompt that fits still works there.
+            assert http.post("/v1/completions", json={"prompt": [5] * 300, "max_tokens": 4}
+                             ).status_code == 200
+        channel, stub = gateway.generation_stub()
+        with channel, pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(generation_pb2.GenerateRequest(
+                token_ids=generation_pb2.TokenIds(ids=[5] * 500),
+                params=common_pb2.SamplingParams(max_tokens=4)), timeout=30))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         wait_blocks_free(small)
     finally:
         gateway.proc.terminate()
         small[0].proc.terminate()
 
 
-def _no_room(gateway) -> None:
-    with gateway.http() as http:
-        response = http.post("/v1/completions", json={
-            "model": SERVED, "prompt": [5] * 500, "max_tokens": 4})
-        error = assert_error(response, 429)
-        assert error["type"] == "rate_limit_error"
-        assert int(response.headers["retry-after"]) >= 1
-        # A prompt that fits still works there.
-        assert http.post("/v1/completions", json={"prompt": [5] * 300, "max_tokens": 4}
-                         ).status_code == 200
-    channel, stub = gateway.generation_stub()
-    with channel, pytest.raises(grpc.RpcError) as err:
-        list(stub.Generate(generation_pb2.GenerateRequest(
-            token_ids=generation_pb2.TokenIds(ids=[5] * 500),
-            params=common_pb2.SamplingParams(max_tokens=4)), timeout=30))
-    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    with gateway.client() as client, pytest.raises(openai.RateLimitError):
-        client.completions.create(model=SERVED, prompt=[5] * 500, max_tokens=4)
+# ---- 429 ---------------------------------------------------------------------------------
 
 
 def test_max_active_requests_is_429(cluster, workers):

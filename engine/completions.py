@@ -1,7 +1,8 @@
 """The ``n`` completions of one request: the one rule for splitting it.
 
 Completion ``i`` of ``n`` is a sequence of its own with ``n = 1`` and, when
-the request is seeded, seed ``seed + i``. The engine runs them side by side
+the request is seeded, seed ``seed + i`` (wrapped as a signed 64-bit
+integer, so every valid seed has its ``n`` valid ones). The engine runs them side by side
 (sharing the prompt's blocks); the gateway spreads them over workers as
 requests of their own. Both split here, so a seed gives the same ``n``
 completions either way. With ``n = 1`` the sequence is the request itself;
@@ -24,6 +25,10 @@ def split_completions(request_id: str,
         return [(request_id, params)]
     return [
         (f"{request_id}-{i}", dataclasses.replace(
-            params, n=1, seed=None if params.seed is None else params.seed + i))
+            params, n=1, seed=None if params.seed is None else _int64(params.seed + i)))
         for i in range(params.n)
     ]
+
+
+def _int64(value: int) -> int:
+    return (value + 2**63) % 2**64 - 2**63

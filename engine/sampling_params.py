@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 
 from engine.structured_output.params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+MIN_TEMPERATURE = 0.01  # a smaller positive temperature is raised to it
 
 
 @dataclass
@@ -13,7 +18,8 @@ class SamplingParams:
     """Sampling settings with vLLM's names and meanings.
 
     Every invalid value raises ``ValueError`` at construction, before any
-    block is allocated.
+    block is allocated. A positive ``temperature`` under 0.01 is raised to
+    0.01, as vLLM does.
     """
 
     n: int = 1
@@ -79,6 +85,11 @@ class SamplingParams:
                    and abs(value) <= _FLOAT32_MAX,
                    f"{name} must be a finite number, got {value!r}")
         _check(self.temperature >= 0, f"temperature must be non-negative, got {self.temperature}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            # Logits divided by 1e-38 overflow to inf and sample garbage; so
+            # small a temperature means "nearly greedy" (as vLLM takes it).
+            logger.warning("temperature %g raised to %g", self.temperature, MIN_TEMPERATURE)
+            self.temperature = MIN_TEMPERATURE
         _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
         _check(
             isinstance(self.top_k, int) and self.top_k >= -1,

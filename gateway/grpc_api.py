@@ -12,7 +12,7 @@ import uuid
 from opentelemetry import context as otel_context
 
 from gateway.service import GatewayService
-from rpc.convert import params_from_proto
+from rpc.convert import params_from_proto, set_stop_reason
 from rpc.protos import common_pb2, generation_pb2, generation_pb2_grpc
 
 
@@ -62,9 +62,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             reply = generation_pb2.GenerateResponse(
                 request_id=request_id, index=chunk.index, token_ids=chunk.token_ids,
                 text=chunk.text, logprobs=chunk.logprobs,
-                finish_reason=chunk.finish_reason or "",
+                finish_reason=chunk.finish_reason or "", prompt_logprobs=chunk.prompt_logprobs,
             )
             if chunk.finish_reason:
+                set_stop_reason(reply, chunk.stop_reason)
                 remaining -= 1
                 cached = max(cached, chunk.cached_tokens)
                 if remaining == 0:

@@ -114,7 +114,7 @@ def chat_messages(messages: list[Any], tools: list[Tool], choice: ToolChoice,
         msg: dict[str, Any] = {"role": m.role, "content": m.text()}
         calls = getattr(m, "tool_calls", None) or []
         if calls:
-            msg["tool_calls"] = [_template_call(c) for c in calls]
+            msg["tool_calls"] = [template_call(c) for c in calls]
         if m.role == "tool":
             msg["tool_call_id"] = getattr(m, "tool_call_id", None)
         out.append(msg)
@@ -138,7 +138,9 @@ def chat_messages(messages: list[Any], tools: list[Tool], choice: ToolChoice,
     return out, None
 
 
-def _template_call(call: Any) -> dict[str, Any]:
+def template_call(call: Any) -> dict[str, Any]:
+    """An OpenAI tool call from a chat's history as chat templates take it:
+    its arguments an object, not JSON text."""
     if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
         raise InvalidField("messages", "each tool_calls entry must be an object with a function")
     fn = call["function"]

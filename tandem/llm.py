@@ -23,6 +23,7 @@ from engine.outputs import RequestOutput
 from engine.prompts import Prompt
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import content_text
+from gateway.tools import template_call
 
 # vLLM's other names for dtypes.
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
@@ -164,8 +165,12 @@ class LLM:
                                      f"got {getattr(p, name)}")
             engine.validate(token_ids, p)
         ids = [f"llm-{next(self._ids)}" for _ in prompts]
-        for request_id, (text, token_ids), p in zip(ids, tokenized, params):
-            engine.add_request(request_id, token_ids, p, prompt_text=text)
+        for k, (request_id, (text, token_ids), p) in enumerate(zip(ids, tokenized, params)):
+            try:
+                engine.add_request(request_id, token_ids, p, prompt_text=text)
+            except BaseException:
+                engine.abort_request(ids[:k])  # all the prompts or none
+                raise
         outputs = self._run(ids, use_tqdm)
         self._decode_logprobs(outputs)
         return outputs
@@ -190,6 +195,13 @@ class LLM:
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError("this model has no tokenizer")
+        variables = dict(chat_template_kwargs or {})
+        # These two are template variables as well as arguments: either way in.
+        add_generation_prompt = variables.pop("add_generation_prompt", add_generation_prompt)
+        continue_final_message = variables.pop("continue_final_message", continue_final_message)
+        taken = sorted(set(variables) & {"messages", "tools", "template", "tokenize"})
+        if taken:
+            raise ValueError(f"chat_template_kwargs: {taken} are chat()'s own arguments")
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message goes on with the last message: it needs "
                              "add_generation_prompt=False")
@@ -197,7 +209,7 @@ class LLM:
         prompts = [tokenizer.encode_chat(
             [_text_message(i, m) for i, m in enumerate(c)], add_generation_prompt, tools,
             template=chat_template, continue_final_message=continue_final_message,
-            **(chat_template_kwargs or {}))
+            **variables)
             for c in conversations]  # type: ignore[arg-type]
         return self.generate(prompts, sampling_params, use_tqdm)
 
@@ -218,6 +230,7 @@ class LLM:
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
+        wanted = set(ids)  # this call's own: another caller may have queued more
         bar = None
         if use_tqdm and len(ids) > 1:
             from tqdm import tqdm
@@ -226,7 +239,7 @@ class LLM:
         try:
             while len(done) < len(ids) and self.engine.has_unfinished_requests():
                 for out in self.engine.step():
-                    if out.finished:
+                    if out.finished and out.request_id in wanted:
                         done[out.request_id] = out
                         if bar is not None:
                             bar.update(1)
@@ -240,10 +253,17 @@ class LLM:
 
 
 def _text_message(index: int, message: Any) -> Any:
-    """``message`` with a content of OpenAI text parts joined into a string."""
-    if not isinstance(message, Mapping) or not isinstance(message.get("content"), list):
+    """``message`` as chat templates take it: a content of OpenAI text parts
+    joined into a string, no content (an assistant's tool calls) as "", and
+    its tool calls' arguments as objects."""
+    if not isinstance(message, Mapping):
         return message
+    out = dict(message)
     try:
-        return {**message, "content": content_text(message["content"])}
+        if message.get("content") is None or isinstance(message["content"], list):
+            out["content"] = content_text(message.get("content"))
+        if message.get("tool_calls"):
+            out["tool_calls"] = [template_call(c) for c in message["tool_calls"]]
     except ValueError as exc:
-        raise ValueError(f"messages[{index}].content: {exc}") from None
+        raise ValueError(f"messages[{index}]: {exc}") from None
+    return out

@@ -173,6 +173,34 @@ def test_chat_arguments(llm):
     (d,) = llm.chat(plain, greedy(), use_tqdm=False, chat_template=template,
                     chat_template_kwargs={"greeting": "well"})
     assert d.prompt_token_ids == tok.encode("well hello there|", add_special_tokens=False)
+    (e,) = llm.chat(started, greedy(), use_tqdm=False,
+                    chat_template_kwargs={"add_generation_prompt": False})
+    assert e.prompt_token_ids == closed.prompt_token_ids
+    with pytest.raises(ValueError, match="chat_template_kwargs"):
+        llm.chat(plain, greedy(), use_tqdm=False, chat_template_kwargs={"tools": []})
+
+
+def test_chat_with_an_earlier_tool_call(llm):
+    # OpenAI's history: the assistant's call has no content and its arguments
+    # as JSON text; templates get "" and an object.
+    tok = llm.get_tokenizer()
+    template = ("{% for m in messages %}{{ m.role }}:{{ m.content }}"
+                "{% for c in m.tool_calls or [] %}[{{ c.function.name }} "
+                "{{ c.function.arguments.city }}]{% endfor %}|{% endfor %}")
+    messages = [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "c1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    (out,) = llm.chat(messages, greedy(), use_tqdm=False, chat_template=template)
+    assert out.prompt_token_ids == tok.encode(
+        "user:weather?|assistant:[get_weather Paris]|tool:sunny|", add_special_tokens=False)
+    with pytest.raises(ValueError, match="not JSON"):
+        bad = [messages[0], {**messages[1], "tool_calls": [{
+            "id": "c1", "type": "function", "function": {"name": "f", "arguments": "{nope"}}]}]
+        llm.chat(bad, greedy(), use_tqdm=False, chat_template=template)
 
 
 def test_the_tokenizer_answers_hugging_faces_common_calls(llm):
@@ -237,3 +265,36 @@ def test_bad_words_complete_only_after_their_other_tokens():
     assert _completing(words, after([4, 1], [2]), 100) == [5]
     assert _completing(words, after([1], [2]), 100) == [5]
     assert _completing(words, after([4], [1, 2]), 100) == [5, 3]
+
+
+def test_a_batch_is_queued_whole_or_not_at_all(llm, monkeypatch):
+    engine, added = llm.engine, []
+    add = engine.add_request
+
+    def fails_second(request_id, *args, **kwargs):
+        if added:
+            raise ValueError("refused at the second prompt")
+        added.append(request_id)
+        return add(request_id, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "add_request", fails_second)
+    with pytest.raises(ValueError, match="second prompt"):
+        llm.generate([PROMPT, PROMPT], greedy(), use_tqdm=False)
+    monkeypatch.undo()
+    assert not engine.has_unfinished_requests()  # the first prompt was taken back
+    assert_all_free(engine)
+
+
+def test_generate_returns_its_own_requests_beside_others_in_the_engine(llm):
+    want = one(llm, PROMPT, greedy()).outputs[0].token_ids
+    llm.engine.add_request("queued-by-someone-else", [5, 6, 7], greedy(max_tokens=1))
+    assert one(llm, PROMPT, greedy()).outputs[0].token_ids == want
+    llm.engine.abort_request(["queued-by-someone-else"])
+    assert_all_free(llm.engine)
+
+
+def test_n_with_the_largest_seed(llm):
+    # Completion i is seeded seed + i, wrapped as a signed 64-bit integer.
+    top = one(llm, PROMPT, SamplingParams(n=2, seed=2**63 - 1, max_tokens=4)).outputs
+    wrapped = one(llm, PROMPT, SamplingParams(seed=-2**63, max_tokens=4)).outputs[0]
+    assert len(top) == 2 and top[1].token_ids == wrapped.token_ids

@@ -90,6 +90,32 @@ def test_generate_from_token_ids_and_n(stub):
     assert sum(r.HasField("usage") for r in replies) == 1
 
 
+def test_prompt_logprobs_and_stop_reasons_as_rest_gives_them(stub, http):
+    ids = Tokenizer(tiny_model()).encode(PROMPT)
+    replies = list(stub.Generate(generation_pb2.GenerateRequest(
+        token_ids=generation_pb2.TokenIds(ids=ids), params=greedy(4, prompt_logprobs=2)),
+        timeout=30))
+    scored = replies[0].prompt_logprobs
+    assert [p.token_id for p in scored] == ids[1:]
+    assert not any(r.prompt_logprobs for r in replies[1:])
+    rest = http.post("/v1/completions", json={
+        "prompt": ids, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+        "prompt_logprobs": 2}).json()["choices"][0]["prompt_logprobs"]
+    assert [round(p.logprob, 4) for p in scored] == [
+        round(entry[str(t)]["logprob"], 4) for t, entry in zip(ids[1:], rest[1:])]
+    assert all(len(p.top_token_ids) >= 2 for p in scored)
+
+    free = [t for r in stub.Generate(generation_pb2.GenerateRequest(
+        token_ids=generation_pb2.TokenIds(ids=ids), params=greedy(4)), timeout=30)
+            for t in r.token_ids]
+    stopped = list(stub.Generate(generation_pb2.GenerateRequest(
+        token_ids=generation_pb2.TokenIds(ids=ids),
+        params=greedy(4, stop_token_ids=[free[1]])), timeout=30))
+    last = stopped[-1]
+    assert (last.finish_reason, last.stop_token_id, last.stop_reason) == ("stop", free[1], "")
+    assert last.HasField("stop_token_id")
+
+
 def test_default_max_tokens_is_16(stub):
     replies = list(stub.Generate(generation_pb2.GenerateRequest(
         text=PROMPT, params=common_pb2.SamplingParams(temperature=0.0, ignore_eos=True)),

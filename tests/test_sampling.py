@@ -112,6 +112,15 @@ def test_filters_that_leave_one_token_equal_greedy(engine):
         assert tokens(engine, PROMPT, params) == want, params
 
 
+def test_a_tiny_temperature_is_raised_not_overflowed(engine):
+    # logits / 1e-38 were inf: NaN probabilities, token 0 every step.
+    params = sampled(temperature=1e-38, seed=3)
+    assert params.temperature == 0.01
+    got = tokens(engine, PROMPT, params)
+    assert got == tokens(engine, PROMPT, sampled(temperature=0.01, seed=3))
+    assert len(set(got)) > 1
+
+
 def test_min_p_keeps_only_likely_tokens(engine, model):
     out = tokens(engine, PROMPT, sampled(max_tokens=20, min_p=0.3, temperature=2.0, seed=0))
     probs = torch.softmax(hf_logits(model[1], PROMPT + out) / 2.0, dim=-1)

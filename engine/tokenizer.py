@@ -5,12 +5,28 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's spelling of bytes (GPT-2's), inverted: a printable
+    byte other than space is its own character; the k-th of the other 68
+    bytes is chr(256 + k)."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    spelling = {chr(b): b for b in printable}
+    others = [b for b in range(256) if b not in spelling.values()]
+    spelling.update({chr(256 + k): b for k, b in enumerate(others)})
+    return spelling
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 class Tokenizer:
@@ -49,6 +65,20 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, also where they are only part of
+        a character (its decoded text alone is then U+FFFD): OpenAI's
+        logprob ``bytes``, with which a client joins split characters back."""
+        text = self.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" not in text:
+            return text.encode()
+        piece = self.id_to_token(token_id) or ""
+        if (byte := _BYTE_PIECE.fullmatch(piece)) is not None:  # SentencePiece's <0xF0>
+            return bytes([int(byte.group(1), 16)])
+        if piece and all(ch in _BYTE_LEVEL for ch in piece):  # GPT-2's byte alphabet
+            return bytes(_BYTE_LEVEL[ch] for ch in piece)
+        return text.encode()
 
     @functools.cached_property
     def max_token_chars(self) -> int:

@@ -239,21 +239,29 @@ class ChatRenderer(Renderer):
         # Finds tool calls in each choice's text (gateway/tool_parsers.py); None: no tools.
         self.tool_parser = tool_parser
         self.tool_names = tool_names  # the functions a call may name (None: any)
+        self._bytes: dict[int, list[int]] = {}  # token id -> its bytes, once a request
 
     def _logprobs(self, chunk: Chunk) -> dict | None:
         if not chunk.logprobs:
             return None
         content = []
         for lp in chunk.logprobs:
-            text = self.token_text(lp.token_id)
             content.append({
-                "token": text, "logprob": lp.logprob, "bytes": list(text.encode()),
+                **self._entry(lp.token_id, lp.logprob),
                 "top_logprobs": [
-                    {"token": (t := self.token_text(tid)), "logprob": v, "bytes": list(t.encode())}
+                    self._entry(tid, v)
                     for tid, v in list(zip(lp.top_token_ids, lp.top_logprobs))[: self.top_n]
                 ],
             })
         return {"content": content}
+
+    def _entry(self, token_id: int, logprob: float) -> dict:
+        """A token's text, logprob and bytes (its own, also where they are
+        part of a character split over tokens: the text is U+FFFD there)."""
+        raw = self._bytes.get(token_id)
+        if raw is None:
+            raw = self._bytes[token_id] = list(self.service.tokenizer.token_bytes(token_id))
+        return {"token": self.token_text(token_id), "logprob": logprob, "bytes": raw}
 
     async def stream(self, first, merged, include_usage: bool) -> AsyncIterator[dict]:
         started: set[int] = set()

@@ -183,3 +183,15 @@ def test_prompt_logprobs(client, tokenizer):
         client.completions.create(model=SERVED, prompt=PROMPT, max_tokens=2, stream=True,
                                   extra_body={"prompt_logprobs": 1})
     assert "prompt_logprobs" in str(err.value)
+
+
+def test_chat_logprob_bytes_join_split_characters_back(client):
+    # Held to "日本" by a grammar: the toy tokenizer spells each character in
+    # byte tokens whose text alone is U+FFFD; their bytes are the real ones.
+    out = client.chat.completions.create(
+        model=SERVED, messages=MESSAGES, max_tokens=12, temperature=0, logprobs=True,
+        top_logprobs=1, extra_body={"guided_regex": "日本"}).choices[0]
+    assert out.message.content == "日本"
+    tokens = [t for t in out.logprobs.content if t.token != "</s>"]  # EOS ends it
+    assert any(t.token == "\ufffd" for t in tokens)
+    assert b"".join(bytes(t.bytes) for t in tokens) == "日本".encode()

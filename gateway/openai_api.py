@@ -164,10 +164,13 @@ def build_app(service: GatewayService) -> FastAPI:
         for t, p in zip(token_lists, params):
             service.check_request(t, p)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        echo = [p if isinstance(p, str) else await service.off_loop(service.tokenizer.decode, p)
+        # NOTE: special tokens kept, as vLLM echoes token ids (Hugging Face's decode).
+        echo = [p if isinstance(p, str) else await service.off_loop(service.tokenizer.decode, p,
+                                                                     False)
                 for p in prompts] if body.echo else None
         render = CompletionRenderer(service, rid, token_lists, params[0].n, body.logprobs or 0,
-                                     body.return_token_ids, echo, body.prompt_logprobs)
+                                     body.return_token_ids, echo, body.prompt_logprobs,
+                                     body.skip_special_tokens)
         return await _answer(render, _merge(service, rid, token_lists, params, span), body)
 
     @app.post("/v1/chat/completions")

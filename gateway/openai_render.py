@@ -7,6 +7,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from engine.detokenizer import IncrementalDetokenizer
 from gateway.sequence import Chunk
 from gateway.service import GatewayService
 from gateway.tool_parsers import ToolCallStream, finished_calls
@@ -27,6 +28,7 @@ class Renderer:
         self.prompt_logprobs = prompt_logprobs
         self._scored: dict[int, list] = {}  # prompt -> its tokens' logprobs (TokenLogprobs)
         self._texts: dict[int, str] = {}  # token id -> its text, decoded once a request
+        self._bytes: dict[int, bytes] = {}  # token id -> its bytes, once a request
         self._prompt_entries: dict[int, list] = {}  # prompt -> its vLLM prompt_logprobs
         self.prompts = prompts
         self.return_token_ids = return_token_ids
@@ -86,6 +88,14 @@ class Renderer:
                 [token_id], skip_special_tokens=False)
         return text
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """Its own bytes, also where they are part of a character split over
+        tokens (``token_text`` is U+FFFD there)."""
+        raw = self._bytes.get(token_id)
+        if raw is None:
+            raw = self._bytes[token_id] = self.service.tokenizer.token_bytes(token_id)
+        return raw
+
     async def _all(self, first, merged):
         if first is not None:
             yield first
@@ -125,19 +135,54 @@ def top_entries(lp, n: int) -> list[tuple[int, float, int]]:
             if t == lp.token_id or not rank or rank <= n]
 
 
+class TokenOffsets:
+    """Where each token starts in a text, in characters (OpenAI's
+    ``text_offset``), read off the text as the workers decode it: a token
+    that holds part of a character starts where the character does; one
+    whose text came out behind such a part that never completed starts at
+    its own text."""
+
+    def __init__(self, renderer: Renderer, context: list[int], skip_special_tokens: bool,
+                 base: int = 0) -> None:
+        """``context``: the tokens before (a prompt); ``base``: the text's
+        length before the first token added."""
+        self.renderer = renderer
+        self.text = IncrementalDetokenizer(renderer.service.tokenizer, context,
+                                           skip_special_tokens=skip_special_tokens)
+        self.base = base
+        self.pending = 0  # tokens added since the text last grew
+
+    def add(self, token_id: int) -> int:
+        """The next token's offset."""
+        before = len(self.text.text)
+        self.text.add(token_id)
+        after = len(self.text.text)
+        own = self.renderer.token_text(token_id)
+        start = before
+        if (self.pending and own and "\ufffd" not in own and len(own) < after - before
+                and self.text.text.endswith(own)):
+            start = after - len(own)
+        self.pending = 0 if after > before else self.pending + 1
+        return self.base + start
+
+
 class CompletionRenderer(Renderer):
     def __init__(self, service, rid, prompts: list[list[int]], n: int, top_n: int,
                  return_token_ids: bool = False, echo: list[str] | None = None,
-                 prompt_logprobs: int | None = None) -> None:
+                 prompt_logprobs: int | None = None, skip_special_tokens: bool = True) -> None:
         """``echo``: each prompt's text, put before its completions (with the
-        prompt's logprobs, when asked: the first token's is None)."""
+        prompt's logprobs, when asked: the first token's is None).
+        ``skip_special_tokens``: the request's, for where tokens start in
+        its text (``text_offset``)."""
         super().__init__(service, rid, len(prompts) * n, prompts, return_token_ids,
                          prompt_logprobs)
         self.n = n
         self.top_n = top_n
-        self.offsets: dict[int, int] = {}
+        self.skip_special_tokens = skip_special_tokens
+        # choice -> where its completion's tokens start in its text
+        self.offsets: dict[int, TokenOffsets] = {}
         self.echo = echo
-        self._heads: dict[int, tuple[dict, int]] = {}  # prompt -> its echoed logprobs
+        self._heads: dict[int, dict] = {}  # prompt -> its echoed logprobs
         self._started: set[int] = set()
 
     async def _open(self, p: int, choice: int, chunk: Chunk) -> tuple[str, dict | None, bool]:
@@ -153,39 +198,38 @@ class CompletionRenderer(Renderer):
             return text + chunk.text, None, first
         if p not in self._heads:  # once per prompt, off the event loop: it can be long
             self._heads[p] = await self.service.off_loop(self._echo_head, p)
-        head, end = self._heads[p]
-        head = {key: list(values) for key, values in head.items()}
-        self.offsets[choice] = end
+        head = {key: list(values) for key, values in self._heads[p].items()}
         for key, values in self._logprobs(choice, chunk).items():
             head[key].extend(values)
         return text + chunk.text, head, first
 
-    def _echo_head(self, p: int) -> tuple[dict, int]:
+    def _echo_head(self, p: int) -> dict:
         """The prompt's tokens as the first logprobs of its choices (the
-        first token's logprob None), and the text offset after them."""
+        first token's logprob None)."""
         ids = self.prompts[p]
         scored = [None, *self._scored.get(p, [])]
         head: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        offset = 0
+        offsets = TokenOffsets(self, [], skip_special_tokens=False)
         for token, lp in zip(ids, scored + [None] * (len(ids) - len(scored))):
-            piece = self.token_text(token)
-            head["text_offset"].append(offset)
-            offset += len(piece)
-            head["tokens"].append(piece)
+            head["text_offset"].append(offsets.add(token))
+            head["tokens"].append(self.token_text(token))
             head["token_logprobs"].append(None if lp is None else lp.logprob)
             head["top_logprobs"].append(None if lp is None else {
                 self.token_text(t): v for t, v, _ in top_entries(lp, self.top_n)})
-        return head, offset
+        return head
 
     def _logprobs(self, choice: int, chunk: Chunk) -> dict | None:
         if not chunk.logprobs:
             return None
         tokens, values, tops, offsets = [], [], [], []
+        if choice not in self.offsets:
+            p = choice // self.n
+            self.offsets[choice] = TokenOffsets(
+                self, self.prompts[p], self.skip_special_tokens,
+                base=len(self.echo[p]) if self.echo is not None else 0)
         for lp in chunk.logprobs:
-            text = self.token_text(lp.token_id)
-            offsets.append(self.offsets.get(choice, 0))
-            self.offsets[choice] = offsets[-1] + len(text)
-            tokens.append(text)
+            offsets.append(self.offsets[choice].add(lp.token_id))
+            tokens.append(self.token_text(lp.token_id))
             values.append(lp.logprob)
             # The top ``logprobs`` and the sampled token, as OpenAI's
             # completions give them (so up to logprobs + 1 entries).
@@ -239,7 +283,6 @@ class ChatRenderer(Renderer):
         # Finds tool calls in each choice's text (gateway/tool_parsers.py); None: no tools.
         self.tool_parser = tool_parser
         self.tool_names = tool_names  # the functions a call may name (None: any)
-        self._bytes: dict[int, list[int]] = {}  # token id -> its bytes, once a request
 
     def _logprobs(self, chunk: Chunk) -> dict | None:
         if not chunk.logprobs:
@@ -258,10 +301,8 @@ class ChatRenderer(Renderer):
     def _entry(self, token_id: int, logprob: float) -> dict:
         """A token's text, logprob and bytes (its own, also where they are
         part of a character split over tokens: the text is U+FFFD there)."""
-        raw = self._bytes.get(token_id)
-        if raw is None:
-            raw = self._bytes[token_id] = list(self.service.tokenizer.token_bytes(token_id))
-        return {"token": self.token_text(token_id), "logprob": logprob, "bytes": raw}
+        return {"token": self.token_text(token_id), "logprob": logprob,
+                "bytes": list(self.token_bytes(token_id))}
 
     async def stream(self, first, merged, include_usage: bool) -> AsyncIterator[dict]:
         started: set[int] = set()

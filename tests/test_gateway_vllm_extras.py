@@ -148,6 +148,26 @@ def test_echo_puts_the_prompt_and_its_logprobs_first(client, tokenizer):
     assert by_ids.token_logprobs[1:] == pytest.approx(scored.token_logprobs[1:], rel=1e-5)
 
 
+def test_text_offsets_point_into_the_text(client, tokenizer):
+    # Characters split over byte tokens (日本 in the toy tokenizer), and a
+    # special token first in a token-id prompt, echoed as vLLM echoes one.
+    ids = [1, *tokenizer.encode("héllo 日本 café", add_special_tokens=False)]
+    for prompt in (ids, "héllo 日本 café"):
+        choice = client.completions.create(model=SERVED, prompt=prompt, max_tokens=8, echo=True,
+                                           logprobs=0, **GREEDY).choices[0]
+        text, lp = choice.text, choice.logprobs
+        ends = [*lp.text_offset[1:], len(text)]
+        assert lp.text_offset == sorted(lp.text_offset) and ends[-1] <= len(text)
+        pieces = [text[a:b] for a, b in zip(lp.text_offset, ends)]
+        assert "".join(pieces) == text
+        for token, piece in zip(lp.tokens, pieces):
+            assert token == "\ufffd" or piece.startswith(token) or token == "</s>", (token, piece)
+    assert text.startswith("héllo 日本 café")
+    assert choice.text.startswith("héllo") and client.completions.create(
+        model=SERVED, prompt=ids, max_tokens=1, echo=True, **GREEDY
+    ).choices[0].text.startswith("<s>héllo")
+
+
 def test_prompt_logprobs(client, tokenizer):
     """vLLM's ``prompt_logprobs``: per prompt token (the first None) its own
     logprob and rank and the N most likely tokens', by token id; the same

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.structured_output.params import StructuredOutputsParams
 
@@ -58,14 +60,18 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, dict):
-            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as exc:  # a key it does not have
+                raise ValueError(f"structured_outputs: {exc}") from None
         _check(self.structured_outputs is None
                or isinstance(self.structured_outputs, StructuredOutputsParams),
                "structured_outputs must be a StructuredOutputsParams")
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop = _listed(self.stop, "stop", str)
+        self.stop_token_ids = _listed(self.stop_token_ids, "stop_token_ids")
+        for name in ("n", "max_tokens", "min_tokens", "top_k", "seed"):
+            _check(not isinstance(getattr(self, name), bool),
+                   f"{name} must be an integer, got {getattr(self, name)!r}")
         _check(isinstance(self.n, int) and self.n >= 1, f"n must be at least 1, got {self.n}")
         _check(
             self.max_tokens is None or (isinstance(self.max_tokens, int)
@@ -121,6 +127,8 @@ class SamplingParams:
             self.seed is None or isinstance(self.seed, int), f"seed must be an int, got {self.seed!r}"
         )
         if self.logit_bias is not None:
+            _check(isinstance(self.logit_bias, Mapping),
+                   f"logit_bias must map token ids to biases, got {self.logit_bias!r}")
             self.logit_bias = dict(self.logit_bias)
             for token, bias in self.logit_bias.items():
                 _check(isinstance(token, int) and not isinstance(token, bool)
@@ -129,14 +137,14 @@ class SamplingParams:
                 _check(isinstance(bias, int | float) and -100 <= bias <= 100,
                        f"logit_bias values must be in [-100, 100], got {bias!r}")
         if self.allowed_token_ids is not None:
-            self.allowed_token_ids = list(self.allowed_token_ids)
+            self.allowed_token_ids = _listed(self.allowed_token_ids, "allowed_token_ids")
             _check(bool(self.allowed_token_ids) and all(
                 isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= _UINT32_MAX
                 for t in self.allowed_token_ids),
                 f"allowed_token_ids must be a non-empty list of token ids, "
                 f"got {self.allowed_token_ids}")
         if self.bad_words is not None:
-            self.bad_words = list(self.bad_words)
+            self.bad_words = _listed(self.bad_words, "bad_words", str)
             _check(all(isinstance(w, str) and w.strip() for w in self.bad_words),
                    "bad_words must be non-empty strings")
         # The integers' ranges: the workers' wire format (common.proto) carries them
@@ -172,6 +180,19 @@ class SamplingParams:
 
 _FLOAT32_MAX = 3.4028234663852886e38
 _INT32_MAX, _UINT32_MAX, _INT64_MAX = 2**31 - 1, 2**32 - 1, 2**63 - 1
+
+
+def _listed(value: Any, name: str, single: type | None = None) -> list:
+    """``value`` as a new list (None: empty); one ``single`` alone (a stop
+    string) is a list of it. ValueError for anything else, a mapping or a
+    number, which ``list()`` would take apart or refuse with a TypeError."""
+    if value is None:
+        return []
+    if single is not None and isinstance(value, single):
+        return [value]
+    _check(isinstance(value, Iterable) and not isinstance(value, str | bytes | Mapping),
+           f"{name} must be a list, got {value!r}")
+    return list(value)
 
 
 def _check(ok: bool, message: str) -> None:

@@ -254,14 +254,15 @@ class LLM:
 
 def _text_message(index: int, message: Any) -> Any:
     """``message`` as chat templates take it: a content of OpenAI text parts
-    joined into a string, no content (an assistant's tool calls) as "", and
-    its tool calls' arguments as objects."""
+    joined into a string, no content beside tool calls as "", and the tool
+    calls' arguments as objects."""
     if not isinstance(message, Mapping):
         return message
     out = dict(message)
     try:
-        if message.get("content") is None or isinstance(message["content"], list):
-            out["content"] = content_text(message.get("content"))
+        content = message.get("content")
+        if isinstance(content, list) or (content is None and message.get("tool_calls")):
+            out["content"] = content_text(content)
         if message.get("tool_calls"):
             out["tool_calls"] = [template_call(c) for c in message["tool_calls"]]
     except ValueError as exc:

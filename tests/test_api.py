@@ -185,10 +185,20 @@ async def test_async_bad_input_raises_before_anything_is_queued(aengine):
     dict(logprobs=21), dict(stop=[""]), dict(presence_penalty=3.0),
     dict(temperature=float("inf")), dict(temperature=float("nan")), dict(top_p=float("nan")),
     dict(repetition_penalty=float("inf")), dict(frequency_penalty=float("-inf")),
+    # Wrong types are ValueErrors too, not a TypeError from deep inside.
+    dict(stop=5), dict(stop={"a": 1}), dict(stop_token_ids=5), dict(logit_bias=[1, 2]),
+    dict(logit_bias=5), dict(allowed_token_ids=5), dict(bad_words=5),
+    dict(structured_outputs={"foo": 1}), dict(n=True), dict(max_tokens=True), dict(seed=False),
 ])
 def test_bad_sampling_params(kwargs):
     with pytest.raises(ValueError):
         SamplingParams(**kwargs)
+
+
+def test_one_stop_string_or_bad_word_alone_is_a_list_of_it():
+    assert SamplingParams(stop="x", bad_words="Paris").bad_words == ["Paris"]
+    assert SamplingParams(stop="x").stop == ["x"]
+    assert SamplingParams(stop=("a", "b"), stop_token_ids=(3,)).stop_token_ids == [3]
 
 
 @pytest.mark.parametrize("prompt,params,match", [

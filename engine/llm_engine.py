@@ -333,6 +333,8 @@ class LLMEngine:
 
     def _new_sequences(self, request_id: str, token_ids: list[int], params: SamplingParams,
                        arrival_time: float | None = None) -> list[Request]:
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"a request id must be a non-empty string, got {request_id!r}")
         completions = split_completions(request_id, params)
         if request_id in self.output_processor.groups or any(
                 seq_id in self.scheduler.requests for seq_id, _ in completions):

@@ -58,7 +58,10 @@ def _prompt_of(prompt: Mapping[str, Any]) -> str | list[int]:
 def with_max_tokens(params: SamplingParams, prompt_len: int,
                     max_model_len: int) -> SamplingParams:
     """``params`` with ``max_tokens=None`` (as many as the context has room
-    for after the prompt, as in vLLM) made a number."""
+    for after the prompt, as in vLLM) made a number. The first look at a
+    request's params: ValueError if they are not a SamplingParams."""
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
     if params.max_tokens is not None:
         return params
     return dataclasses.replace(params, max_tokens=context_room(prompt_len, max_model_len))

@@ -15,6 +15,8 @@ from gateway.service import GatewayService
 from rpc.convert import params_from_proto, set_stop_reason
 from rpc.protos import common_pb2, generation_pb2, generation_pb2_grpc
 
+MAX_REQUEST_ID_CHARS = 256  # ids travel in every worker call, log line and record
+
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, service: GatewayService) -> None:
@@ -40,6 +42,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 params, max_tokens=min(16, service.default_max_tokens(prompt)))
         service.check_request(prompt, params)
         request_id = request.request_id or f"grpc-{uuid.uuid4().hex}"
+        if len(request_id) > MAX_REQUEST_ID_CHARS:
+            raise ValueError(f"request_id may have at most {MAX_REQUEST_ID_CHARS} characters, "
+                             f"got {len(request_id)}")
         if request_id in self._owners:
             raise ValueError(f"request id {request_id!r} is already in use")
         self._owners[request_id] = self._caller(context)

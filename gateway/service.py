@@ -110,6 +110,7 @@ class GatewayService:
         if not text:
             raise ValueError("prompt must not be empty")
         self._check_chars(len(text))
+        self._check_prefixes(text, add_special_tokens)
         return self.tokenizer.encode(text, add_special_tokens)
 
     def tokenize_chat(self, messages: list[dict], add_generation_prompt: bool = True,
@@ -127,6 +128,21 @@ class GatewayService:
             raise ValueError(f"This model's maximum context length is {self.max_model_len} "
                              f"tokens (max_model_len); the prompt has {chars} characters, far "
                              f"more than that many tokens hold")
+
+    def _check_prefixes(self, text: str, add_special_tokens: bool) -> None:
+        """ValueError when a prefix of a long text already has twice the
+        context's tokens: two 8 MB prompts of CJK text (a token or more a
+        character) took both tokenizer threads for 15 s each before. The
+        prefixes grow 4x at a time, so a text that fits costs at most a
+        third more. (Twice: a cut may split a word's tokens differently.)"""
+        size = 4 * self.max_model_len
+        while size < len(text):
+            tokens = len(self.tokenizer.encode(text[:size], add_special_tokens))
+            if tokens > 2 * self.max_model_len:
+                raise ValueError(f"This model's maximum context length is {self.max_model_len} "
+                                 f"tokens (max_model_len); the prompt's first {size} characters "
+                                 f"already have {tokens} tokens")
+            size *= 4
 
     def default_max_tokens(self, prompt: list[int]) -> int:
         return context_room(len(prompt), self.max_model_len)

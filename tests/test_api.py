@@ -173,6 +173,10 @@ async def test_async_bad_input_raises_before_anything_is_queued(aengine):
         await _collect(aengine, "", GREEDY)
     with pytest.raises(ValueError):
         await _collect(aengine, [VOCAB], GREEDY)
+    with pytest.raises(ValueError, match="SamplingParams"):
+        await _collect(aengine, "hi", {"max_tokens": 2})
+    with pytest.raises(ValueError, match="request id"):
+        await _collect(aengine, "hi", GREEDY, request_id=5)
     assert aengine.num_requests == 0
 
 
@@ -252,7 +256,7 @@ def test_an_unsupported_architecture(tmp_path):
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "tandem.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "tandem", *args], capture_output=True,
                           text=True, env=env, timeout=120, cwd=REPO)
 
 

@@ -17,7 +17,7 @@ KNOWN_FLAGS = {
     "--transport", "--disagg-policy", "--disagg-min-remote-tokens", "--max-model-len", "--max-active-requests", "--lease-ms",
     "--max-attempts", "--stall-timeout-s", "--finished-ttl", "--grace",
     # Request limits.
-    "--max-body-bytes", "--max-n", "--max-prompts", "--max-messages", "--max-stop",
+    "--max-body-bytes", "--max-n", "--max-prompts", "--max-messages", "--max-tools", "--max-stop",
     "--max-stop-chars", "--max-bad-words", "--max-logit-bias", "--tokenizer-threads",
     # TLS (the --tls-* flags shared with workers are rpc/tls.py's, not fields here).
     "--tls-client-ca-file",

@@ -200,6 +200,15 @@ def test_a_text_far_over_the_context_is_refused_before_it_is_tokenized(http):
         assert "1024" in error["message"] and "characters" in error["message"], error
 
 
+def test_a_long_text_is_refused_from_its_first_characters(http):
+    # Under the bound above (a token can spell many characters), but every
+    # character here is several byte tokens: its first 4096 characters
+    # already hold far more than the context.
+    error = assert_error(http.post("/v1/completions", json={
+        "model": SERVED, "prompt": "日本" * 15_000}), 400)
+    assert "first 4096 characters already have" in error["message"], error
+
+
 def test_a_body_over_the_limit_is_413_and_the_gateway_stays_responsive(http):
     big = {"model": SERVED, "prompt": "a" * (8 << 20), "max_tokens": 1}
     error = assert_error(http.post("/v1/completions", json=big), 413)

@@ -152,6 +152,14 @@ def test_invalid_argument_has_the_rest_message(stub, http, rest, params, prompt)
     assert err.value.details() == message
 
 
+def test_a_request_id_over_256_characters_is_invalid(stub):
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(generation_pb2.GenerateRequest(
+            request_id="x" * 257, text=PROMPT, params=greedy(2)), timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "256" in err.value.details()
+
+
 def test_too_long_message_states_limit_and_length(stub):
     with pytest.raises(grpc.RpcError) as err:
         list(stub.Generate(generation_pb2.GenerateRequest(

@@ -16,7 +16,6 @@ from engine.structured_output import StructuredOutputsParams
 from engine.tokenizer import content_text
 from gateway.structured import InvalidField
 
-
 _TOKEN_ID = re.compile(r"[0-9]+")  # ASCII digits only: str.isdigit also takes "²" and "٣"
 
 

@@ -50,7 +50,7 @@ def http(gateway):
 def _nested_schema(depth: int) -> str:
     schema = '{"type": "string"}'
     for _ in range(depth):
-        schema = '{"type": "array", "items": %s}' % schema
+        schema = f'{{"type": "array", "items": {schema}}}'
     return schema
 
 

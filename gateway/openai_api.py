@@ -53,12 +53,27 @@ def error_response(exc: BaseException) -> JSONResponse:
     if isinstance(exc, ModelNotFound):
         return JSONResponse(error_body(str(exc), "invalid_request_error", "model_not_found",
                                        "model"), 404)
-    if isinstance(exc, ValueError):  # InvalidField names the field
+    if isinstance(exc, ValueError):
         return JSONResponse(error_body(str(exc), "invalid_request_error", None,
-                                       getattr(exc, "param", None)), 400)
+                                       _param_of(exc)), 400)
     if isinstance(exc, TandemError):
         return JSONResponse(error_body(str(exc), "server_error"), 502)
     return JSONResponse(error_body("internal error", "server_error"), 500)
+
+
+# Fields a request may have: the Python API's messages start with the one they
+# are about ("temperature must be ..."), which is then OpenAI's ``param``.
+_FIELDS = frozenset(CompletionRequest.model_fields) | frozenset(ChatCompletionRequest.model_fields)
+
+
+def _param_of(exc: ValueError) -> str | None:
+    """The field a 400 is about: an InvalidField's, or the field its message
+    starts with."""
+    param = getattr(exc, "param", None)
+    if param is None:
+        first = str(exc).split(" ", 1)[0]
+        param = first if first in _FIELDS else None
+    return param
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:

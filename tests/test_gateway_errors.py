@@ -116,6 +116,14 @@ def test_completion_invalid_params_are_400(http, case):
     assert mention in error["message"], error
 
 
+def test_a_sampling_parameter_s_400_names_it(http):
+    for field, value in (("temperature", -1), ("n", 17), ("seed", 2**63), ("min_tokens", 99),
+                         ("stop", [""]), ("logit_bias", {"5": 1000})):
+        body = {"model": SERVED, "prompt": PROMPT, "max_tokens": 4, field: value}
+        error = assert_error(http.post("/v1/completions", json=body), 400)
+        assert error["param"] == field, (field, error)
+
+
 def test_non_finite_floats_are_400(http):
     for value in (b"NaN", b"Infinity", b"-Infinity", b"1e999"):
         body = b'{"model": "%s", "prompt": "hi", "max_tokens": 2, "temperature": %s}' % (

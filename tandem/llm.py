@@ -144,27 +144,34 @@ class LLM:
         ):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
-        if not prompts:
-            return []
         if priority is not None and len(set(priority)) > 1:
             raise ValueError("request priorities are not supported")
+        # Tokenized once here: queued as ids.
+        return self._generate([self.engine.tokenize(p) for p in prompts], sampling_params,
+                              use_tqdm)
+
+    def _generate(self, tokenized: list[tuple[str | None, list[int]]],
+                  sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+                  use_tqdm: bool) -> list[RequestOutput]:
+        """``generate`` of prompts already tokenized: (text or None, ids) each."""
+        if not tokenized:
+            return []
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params or SamplingParams()] * len(tokenized)
         else:
             params = list(sampling_params)
-            if len(params) != len(prompts):
+            if len(params) != len(tokenized):
                 raise ValueError(
-                    f"got {len(params)} sampling params for {len(prompts)} prompts"
+                    f"got {len(params)} sampling params for {len(tokenized)} prompts"
                 )
         engine = self.engine
-        tokenized = [engine.tokenize(prompt) for prompt in prompts]  # once: queued as ids
         for (_, token_ids), p in zip(tokenized, params):
             for name in ("logprobs", "prompt_logprobs"):
                 if (getattr(p, name) or 0) > self.max_logprobs:
                     raise ValueError(f"{name} must be at most max_logprobs={self.max_logprobs}, "
                                      f"got {getattr(p, name)}")
             engine.validate(token_ids, p)
-        ids = [f"llm-{next(self._ids)}" for _ in prompts]
+        ids = [f"llm-{next(self._ids)}" for _ in tokenized]
         for k, (request_id, (text, token_ids), p) in enumerate(zip(ids, tokenized, params)):
             try:
                 engine.add_request(request_id, token_ids, p, prompt_text=text)
@@ -205,13 +212,18 @@ class LLM:
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message goes on with the last message: it needs "
                              "add_generation_prompt=False")
+        if tools is not None:
+            variables["tools"] = tools
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
-        prompts = [tokenizer.encode_chat(
-            [_text_message(i, m) for i, m in enumerate(c)], add_generation_prompt, tools,
+        texts = [tokenizer.apply_chat_template(
+            [_text_message(i, m) for i, m in enumerate(c)], add_generation_prompt,
             template=chat_template, continue_final_message=continue_final_message,
             **variables)
             for c in conversations]  # type: ignore[arg-type]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        # NOTE: as vLLM, each output's prompt is the rendered text; the template
+        # writes the special tokens itself.
+        return self._generate([(text, tokenizer.encode(text, add_special_tokens=False))
+                               for text in texts], sampling_params, use_tqdm)
 
     def _decode_logprobs(self, outputs: list[RequestOutput]) -> None:
         """Each Logprob's ``decoded_token``: its token's text, as vLLM gives it."""

@@ -86,6 +86,7 @@ def test_chat_applies_the_template(llm):
     assert out.prompt_token_ids == tok.encode("<s>user: hello\n<s>assistant:",
                                               add_special_tokens=False)
     assert out.prompt_token_ids[0] == 1  # <s> is a token of the template
+    assert out.prompt == "<s>user: hello\n<s>assistant:"  # the rendered text, as vLLM gives it
     outs = llm.chat([messages, messages + [{"role": "assistant", "content": "hi"}]], GREEDY,
                     use_tqdm=False)
     assert len(outs) == 2 and outs[0].outputs[0].token_ids == out.outputs[0].token_ids

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
@@ -64,6 +65,7 @@ def error_response(exc: BaseException) -> JSONResponse:
 # Fields a request may have: the Python API's messages start with the one they
 # are about ("temperature must be ..."), which is then OpenAI's ``param``.
 _FIELDS = frozenset(CompletionRequest.model_fields) | frozenset(ChatCompletionRequest.model_fields)
+_FIRST_WORD = re.compile(r"[a-z_]+")
 
 
 def _param_of(exc: ValueError) -> str | None:
@@ -71,8 +73,8 @@ def _param_of(exc: ValueError) -> str | None:
     starts with."""
     param = getattr(exc, "param", None)
     if param is None:
-        first = str(exc).split(" ", 1)[0]
-        param = first if first in _FIELDS else None
+        first = _FIRST_WORD.match(str(exc))  # "logit_bias: ...", "structured_outputs.json ..."
+        param = first[0] if first and first[0] in _FIELDS else None
     return param
 
 

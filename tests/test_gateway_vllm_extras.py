@@ -65,11 +65,10 @@ def test_logit_bias_and_allowed_token_ids(client, tokenizer):
         model=SERVED, messages=MESSAGES, max_tokens=6, temperature=0,
         extra_body={"ignore_eos": True, "allowed_token_ids": [fox]})
     assert allowed.choices[0].message.content == want
-    for bias, param in (({"fox": 1}, "logit_bias"), ({str(10**6): 1}, None),
-                        ({str(fox): 500}, None)):
+    for bias in ({"fox": 1}, {str(10**6): 1}, {str(fox): 500}):
         with pytest.raises(openai.BadRequestError) as err:
             client.completions.create(model=SERVED, prompt=PROMPT, max_tokens=2, logit_bias=bias)
-        assert "logit_bias" in err.value.message and err.value.body.get("param") == param
+        assert "logit_bias" in err.value.message and err.value.body.get("param") == "logit_bias"
 
 
 def test_vllms_tokenize_detokenize_version_and_ping(gateway, tokenizer):

@@ -133,8 +133,8 @@ class LLM:
         lora_request: None = None,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """One finished output per prompt, in input order. Every prompt is
-        validated before any is queued. ``lora_request`` and ``priority``
+        """One finished output per prompt, in input order. The prompts are
+        queued all or none: a ValueError leaves nothing queued. ``lora_request`` and ``priority``
         are vLLM's; Tandem has neither adapters nor priorities, so they must
         be None (or all priorities equal)."""
         if lora_request is not None:
@@ -165,18 +165,18 @@ class LLM:
                     f"got {len(params)} sampling params for {len(tokenized)} prompts"
                 )
         engine = self.engine
-        for (_, token_ids), p in zip(tokenized, params):
-            for name in ("logprobs", "prompt_logprobs"):
-                if (getattr(p, name) or 0) > self.max_logprobs:
-                    raise ValueError(f"{name} must be at most max_logprobs={self.max_logprobs}, "
-                                     f"got {getattr(p, name)}")
-            engine.validate(token_ids, p)
         ids = [f"llm-{next(self._ids)}" for _ in tokenized]
+        # All the prompts or none: add_request validates each (nothing is
+        # computed before _run), and one refused takes back those before it.
         for k, (request_id, (text, token_ids), p) in enumerate(zip(ids, tokenized, params)):
             try:
+                for name in ("logprobs", "prompt_logprobs"):
+                    if (getattr(p, name, None) or 0) > self.max_logprobs:
+                        raise ValueError(f"{name} must be at most max_logprobs="
+                                         f"{self.max_logprobs}, got {getattr(p, name)}")
                 engine.add_request(request_id, token_ids, p, prompt_text=text)
             except BaseException:
-                engine.abort_request(ids[:k])  # all the prompts or none
+                engine.abort_request(ids[:k])
                 raise
         outputs = self._run(ids, use_tqdm)
         self._decode_logprobs(outputs)

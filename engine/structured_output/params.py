@@ -123,15 +123,16 @@ def _to_grammar(kind: str, value: Any) -> str:
 
 
 def _schema(value: Any, where: str) -> dict[str, Any]:
+    too_deep = f"{where} is nested more than {MAX_SCHEMA_DEPTH} levels deep"
     if isinstance(value, str):
         try:
             value = jsonlib.loads(value)
         except ValueError as exc:
             raise ValueError(f"{where} is not valid JSON: {exc}") from None
-        except RecursionError:
-            value = None  # nested too deep for Python's reader: refused below
-    if value is None or _depth_over(value, MAX_SCHEMA_DEPTH):
-        raise ValueError(f"{where} is nested more than {MAX_SCHEMA_DEPTH} levels deep")
+        except RecursionError:  # deeper than Python's own reader goes
+            raise ValueError(too_deep) from None
+    if _depth_over(value, MAX_SCHEMA_DEPTH):
+        raise ValueError(too_deep)
     if not isinstance(value, dict):
         raise ValueError(f"{where} must be a JSON Schema object")
     return value

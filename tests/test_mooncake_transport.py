@@ -13,9 +13,7 @@ Needs the ``mooncake-transfer-engine-non-cuda`` wheel and Debian's
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
-import signal
 
 import grpc
 import pytest
@@ -319,16 +317,9 @@ async def test_decode_killed_mid_transfer_frees_the_prefill_blocks(cluster, work
     victim = start_worker(cluster, "decode", tiny_model(), NUM_BLOCKS, *MOONCAKE)
     prompt, p = list(range(3, 200)), params(max_tokens=4, temperature=0.0)
     async with Gateway() as gw:
-        ticket = await gw.reserve(victim, "killed-mid", prompt, p)
-        victim.proc.popen.send_signal(signal.SIGSTOP)
-        call = asyncio.ensure_future(gw.prefill(prefill, "killed-mid", prompt, p, ticket,
-                                                "mooncake"))
-        await gw.wait_in_transfer(prefill)
-        assert not call.done()
-        sigkill(victim)
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            await call
-        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
+        err = await gw.prefill_into_a_killed_worker(prefill, victim, "killed-mid", prompt, p,
+                                                    "mooncake")
+        assert err.code() == grpc.StatusCode.UNAVAILABLE, err.details()
     wait_blocks_free([prefill])
 
 

@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import random
-import signal
 
 import grpc
 import pytest
 from gateway_fixtures import (
     assert_layer_spans,
-    sigkill,
     tiny_model,
     traced_cluster_fixture,
     wait_blocks_free,
@@ -115,16 +113,9 @@ async def test_decode_killed_mid_transfer_frees_the_prefill_blocks(cluster, work
     prompt, p = list(range(3, 200)), params(max_tokens=4, temperature=0.0, ignore_eos=True)
     async with Gateway() as gw:
         await gw.disaggregated(prefill, victim, "before-kill", prompt, p, "torch")
-        ticket = await gw.reserve(victim, "killed-mid", prompt, p)
-        victim.proc.popen.send_signal(signal.SIGSTOP)
-        call = asyncio.ensure_future(gw.prefill(prefill, "killed-mid", prompt, p, ticket,
-                                                "torch"))
-        await gw.wait_in_transfer(prefill)
-        assert not call.done()
-        sigkill(victim)
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            await asyncio.wait_for(call, 30)
-        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
+        err = await gw.prefill_into_a_killed_worker(prefill, victim, "killed-mid", prompt, p,
+                                                    "torch")
+        assert err.code() == grpc.StatusCode.UNAVAILABLE, err.details()
         out = await gw.disaggregated(prefill, decode, "after-kill", prompt, p, "torch")
         local = await gw.decode(both, "after-kill-local", p, prompt=prompt)
         assert out.token_ids == local.token_ids

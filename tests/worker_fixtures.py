@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -185,6 +186,23 @@ class Gateway:
                 return
             await asyncio.sleep(0.05)
         raise AssertionError("the prefill worker never reached the transfer")
+
+    async def prefill_into_a_killed_worker(self, prefill: Worker, victim: Worker,
+                                           request_id: str, prompt: list[int],
+                                           p: common_pb2.SamplingParams,
+                                           transport: str) -> grpc.aio.AioRpcError:
+        """Reserve on ``victim`` and stop it; prefill for it on ``prefill``,
+        and kill ``victim`` once that waits in the transfer. The status the
+        prefill call failed with."""
+        ticket = await self.reserve(victim, request_id, prompt, p)
+        victim.proc.popen.send_signal(signal.SIGSTOP)
+        call = asyncio.ensure_future(self.prefill(prefill, request_id, prompt, p, ticket,
+                                                  transport))
+        await self.wait_in_transfer(prefill)
+        assert not call.done()
+        victim.proc.popen.send_signal(signal.SIGKILL)
+        victim.proc.popen.wait(10)
+        return await rpc_error(asyncio.wait_for(call, 30))
 
     async def wait_idle(self, workers: Iterable[Worker], timeout: float = 15.0) -> None:
         """Until every block of every worker is free and nothing runs or

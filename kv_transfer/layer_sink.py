@@ -28,6 +28,7 @@ import asyncio
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 
 import torch
@@ -151,11 +152,33 @@ class LayerSink(ABC):
     async def settle(self) -> None:
         """Until every send handed over has ended, failed or not (the
         source blocks may go then)."""
-        if self.futures:
-            await asyncio.wait([asyncio.wrap_future(f) for f in self.futures])
+        await settle(self.futures)
+
+    async def sent_all(self, request_id: str,
+                       after_queued: Callable[[], None] = lambda: None) -> float:
+        """Start sending; once the forward pass has handed over its last
+        layer, call ``after_queued`` and wait for every send to end. The
+        time the last was handed over; RuntimeError if a layer missed
+        blocks."""
+        self.start()
+        await self.queued
+        after_queued()
+        started = time.perf_counter()
+        await self.wait_sent()
+        if not self.complete:
+            raise RuntimeError(f"layer sends of {request_id!r} missed blocks: sent "
+                               f"{self.landed}, {self.num_blocks} each")
+        return started
 
     def _span(self, name: str, start: int, end: int, **attributes) -> None:
         if self._context is None:
             return
         _tracer.start_span(name, context=self._context, start_time=start,
                            attributes=attributes).end(end_time=end)
+
+
+async def settle(futures: Iterable[Future]) -> None:
+    """Until every one of ``futures`` has ended, failed or not."""
+    futures = [asyncio.wrap_future(f) for f in futures]
+    if futures:
+        await asyncio.wait(futures)

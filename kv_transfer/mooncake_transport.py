@@ -33,6 +33,7 @@ import time
 from concurrent.futures import Future
 
 from kv_transfer.base import PREFLIGHT_BYTES, KVSender
+from kv_transfer.layer_sink import settle
 from kv_transfer.layout import KVLayout, TransferStats
 from kv_transfer.mooncake_endpoint import MooncakeEndpoint
 from kv_transfer.mooncake_layers import LayerWrites
@@ -111,8 +112,7 @@ class MooncakeSender(KVSender):
                     started, {"segments": len(segments[2])})
 
         async def stop() -> None:
-            if pending:
-                await asyncio.wait([asyncio.wrap_future(f) for f in pending])
+            await settle(pending)
 
         return await guarded(self._transfer(request_id, ticket, write, stop))
 
@@ -131,15 +131,9 @@ class MooncakeSender(KVSender):
         has queued its last write and every write has landed."""
 
         async def write() -> Written:
-            writes.start()
-            await writes.queued
-            started = time.perf_counter()
-            await writes.wait_sent()
-            if not writes.complete:
-                raise RuntimeError(f"layer writes of {request_id!r} missed blocks: landed "
-                                   f"{writes.landed}, {len(writes.dst)} each")
-            nbytes = len(writes.dst) * self.layout.block_bytes_per_layer * writes.num_layers
-            return ({"bytes_written": nbytes, "num_blocks": len(writes.dst),
+            started = await writes.sent_all(request_id)
+            nbytes = writes.num_blocks * self.layout.block_bytes_per_layer * writes.num_layers
+            return ({"bytes_written": nbytes, "num_blocks": writes.num_blocks,
                      "layer_blocks": writes.landed}, started, {"segments": writes.num_segments})
 
         async def stop() -> None:

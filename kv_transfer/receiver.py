@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.kv_blocks import KVBlockView
+from engine.parallel.sharded_kv import write_local
 from kv_transfer.block_io import from_bytes
 from kv_transfer.layout import KVLayout
 from kv_transfer.torch_pair import PAYLOAD_TAG, PREFLIGHT_TAG, PairGroup, join_group
@@ -193,10 +194,7 @@ class KVReceiver:
         except ValueError as exc:
             r.error = exc
             return
-        if p.layer < 0:
-            self.io.write(ids, buf)
-        else:
-            self.io.write_layer(p.layer, ids, buf)
+        write_local(self.io, ids, None if p.layer < 0 else p.layer, buf)
         for layer in range(num_layers) if p.layer < 0 else (p.layer,):
             if p.first_block <= r.landed[layer]:
                 r.landed[layer] = max(r.landed[layer], p.first_block + p.num_blocks)

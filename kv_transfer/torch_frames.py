@@ -6,7 +6,10 @@ A pump on the event loop takes what the senders post (from the engine
 thread, layer by layer, or from the loop), has the pair's thread read the
 payload out of the cache, writes its frame, then queues the send on the
 pair's thread without waiting for it; the pair's thread runs the sends in
-that order. The read comes first so that a frame written is always followed
+that order. NOTE: reads run on that thread too, so the next payload's read
+waits for the send before it: one pair's payloads go one at a time (the
+layer timeline in docs/benchmarks.md still shows the sends keeping up with
+the compute on a CPU). The read comes first so that a frame written is always followed
 by its payload (a payload the decode worker no longer wants is received and
 dropped there): the two ends never fall out of step. A read that fails
 fails its post alone; if the stream or a send fails, the pair is broken,

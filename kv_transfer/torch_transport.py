@@ -36,6 +36,7 @@ import torch.distributed as dist
 from engine.kv_blocks import KVBlockView
 from engine.parallel.store import listening_store
 from kv_transfer.base import PREFLIGHT_BYTES, KVSender
+from kv_transfer.layer_sink import settle
 from kv_transfer.layout import KVLayout, TransferStats
 from kv_transfer.torch_frames import FrameChannel, done_frame, payload_frame
 from kv_transfer.torch_layers import LayerSends
@@ -179,8 +180,7 @@ class TorchSender(KVSender):
             return {"bytes_written": nbytes, "num_blocks": len(src)}, started, {}
 
         async def stop() -> None:
-            if sending:
-                await asyncio.wait([asyncio.wrap_future(f) for f in sending])
+            await settle(sending)
 
         return await guarded(write_stream(self.channels, self.worker_id, self.layout, "torch",
                                           request_id, ticket, write, stop))
@@ -197,18 +197,18 @@ class TorchSender(KVSender):
         """Opens the transfer now and lets ``sends`` send once the decode
         worker accepts; done once the forward pass that completes the prompt
         has posted its last layer and the decode worker has every block."""
-        pair = await self._pair(ticket)
+        try:
+            pair = await self._pair(ticket)
+        except BaseException:
+            sends.close()  # or the engine holds every layer's send for nobody
+            raise
+
+        def done() -> None:  # after every payload posted: the done frame follows them
+            sends.futures.append(pair.channel.post(done_frame(request_id, ticket.attempt)))
 
         async def write() -> Written:
             sends.channel = pair.channel
-            sends.start()
-            await sends.queued  # after every payload posted: the done frame follows them
-            sends.futures.append(pair.channel.post(done_frame(request_id, ticket.attempt)))
-            started = time.perf_counter()
-            await sends.wait_sent()
-            if not sends.complete:
-                raise RuntimeError(f"layer sends of {request_id!r} missed blocks: sent "
-                                   f"{sends.landed}, {sends.num_blocks} each")
+            started = await sends.sent_all(request_id, done)
             return ({"bytes_written": sends.bytes_moved, "num_blocks": sends.num_blocks,
                      "layer_blocks": sends.landed}, started, {})
 

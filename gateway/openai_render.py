@@ -351,11 +351,11 @@ class ChatRenderer(Renderer):
         if self.tool_parser is not None:
             for c in choices.values():
                 message = c["message"]
-                message["content"], calls = finished_calls(self.tool_parser, message["content"],
-                                                           self.tool_names)
+                message["content"], calls, complete = finished_calls(
+                    self.tool_parser, message["content"], self.tool_names)
                 if calls:
                     message["tool_calls"] = calls
-                    if c["finish_reason"] == "stop":
+                    if c["finish_reason"] == "stop" and complete:
                         c["finish_reason"] = "tool_calls"
         body = self._collected(choices, "chat.completion")
         if self.return_token_ids:

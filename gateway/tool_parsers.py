@@ -4,7 +4,11 @@ Each parser reads the text generated so far and returns the content that is
 safe to show and the calls seen, each ``(name, arguments text so far,
 complete)``. Streaming sends what grew since the last look
 (``ToolCallStream``); a finished response reads the text once
-(``finished_calls``). Formats:
+(``finished_calls``). Both report the same thing, since a stream cannot take
+back what it sent: the leading calls of the request's functions, each with
+its arguments as far as they got (finish_reason says whether the text was cut
+off); a call of any other function, and the text from it on, is content; no
+such call at all, and the whole text is content. Formats:
 
   hermes       ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
                (Hermes, Qwen2.5), content may come before the calls.
@@ -32,6 +36,7 @@ class Seen:
 
     content: str = ""
     calls: list[tuple[str, str, bool]] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)  # where each call's text begins
     is_calls: bool = False  # the text is (or starts) tool calls
 
 
@@ -48,6 +53,7 @@ class Hermes:
             if call is None:
                 break
             out.calls.append(call[:3])
+            out.starts.append(at)
             if call[3] is None:
                 break
             at = text.find(self.OPEN, call[3])
@@ -79,12 +85,13 @@ class Llama3Json:
             return Seen()
         if not body.startswith("{"):
             return Seen(text)
-        out, pos = Seen(is_calls=True), 0
+        out, pos, skipped = Seen(is_calls=True), 0, len(text) - len(body)
         while True:
             call = scan_call(body, pos)
             if call is None:
                 return out
             out.calls.append(call[:3])
+            out.starts.append(skipped + pos)
             if call[3] is None:
                 return out
             rest = body[call[3]:].lstrip()
@@ -111,15 +118,20 @@ class Llama3Json:
 class Named:
     """tool_choice naming a function: the whole (grammar-held) text is its arguments."""
 
+    grammar_held = True  # the text is calls and nothing else
+
     def __init__(self, name: str) -> None:
         self.name = name
 
     def seen(self, text: str) -> Seen:
-        return Seen(calls=[(self.name, text, value_end(text, 0) is not None)], is_calls=True)
+        return Seen(calls=[(self.name, text, value_end(text, 0) is not None)], starts=[0],
+                    is_calls=True)
 
 
 class Required:
     """tool_choice "required": a (grammar-held) JSON array of calls."""
+
+    grammar_held = True
 
     def seen(self, text: str) -> Seen:
         out = Seen(is_calls=True)
@@ -129,6 +141,7 @@ class Required:
             if call is None:
                 break
             out.calls.append(call[:3])
+            out.starts.append(pos)
             if call[3] is None:
                 break
             rest = text[call[3]:].lstrip()
@@ -148,32 +161,47 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
+def reported(seen: Seen, names: frozenset[str] | None) -> tuple[list, int | None]:
+    """The calls a response reports: the leading ones of functions in
+    ``names`` (None: any). And where the text of the first other call
+    begins, from which on the text is content (None: there is none)."""
+    for i, (name, _, _) in enumerate(seen.calls):
+        if names is not None and name not in names:
+            return seen.calls[:i], seen.starts[i]
+    return seen.calls, None
+
+
+def content_of(parser, text: str, seen: Seen, calls: list, rest: int | None) -> str:
+    """The content that goes with the reported ``calls``: all of the text
+    where there are none; else what came before them, and the text from the
+    first call of an unknown function on. A grammar-held text has none."""
+    if getattr(parser, "grammar_held", False):
+        return ""
+    if not calls:
+        return text
+    return seen.content if rest is None else seen.content + text[rest:]
+
+
 def finished_calls(parser, text: str, names: frozenset[str] | None = None,
-                   ) -> tuple[str | None, list[dict]]:
-    """(content, tool_calls in OpenAI's shape) of a finished text. Calls
-    whose arguments do not parse, or that name a function not in ``names``
-    (None: any), are not calls: the text stays content then, all of it;
-    except where a grammar made the text calls (``Named``, ``Required``):
-    there a call cut short is returned as it is."""
+                   ) -> tuple[str | None, list[dict], bool]:
+    """(content, tool_calls in OpenAI's shape, whether they are all whole and
+    valid) of a finished text: what ``ToolCallStream`` sends for it, collected."""
     seen = parser.seen(text)
-    if not seen.is_calls:
-        return text, []
-    calls = [{"id": new_call_id(), "type": "function",
-              "function": {"name": name, "arguments": args}} for name, args, _ in seen.calls]
-    if isinstance(parser, Named | Required):
-        # The grammar held the text to calls: one cut off (by max_tokens) is
-        # still a call, its arguments as far as they got, as streamed.
-        return None, calls
-    if not all_valid(seen.calls, names):
-        return text, []
-    return seen.content.strip() or None, calls
+    calls, rest = reported(seen, names)
+    content = content_of(parser, text, seen, calls, rest)
+    if calls:
+        content = content.strip()
+    return content or None, [{"id": new_call_id(), "type": "function",
+                              "function": {"name": name, "arguments": args.rstrip()
+                                           if complete else args}}
+                             for name, args, complete in calls], all_valid(calls)
 
 
-def all_valid(calls: list[tuple[str, str, bool]], names: frozenset[str] | None) -> bool:
-    """There are calls, and each is complete, of a known function, with
-    arguments that parse."""
-    for name, args, complete in calls:
-        if not complete or (names is not None and name not in names):
+def all_valid(calls: list[tuple[str, str, bool]]) -> bool:
+    """There are calls, and each is complete with arguments that parse: the
+    model is done and waits for their results (finish_reason "tool_calls")."""
+    for _, args, complete in calls:
+        if not complete:
             return False
         try:
             json.loads(args)
@@ -189,7 +217,7 @@ class ToolCallStream:
 
     def __init__(self, parser, names: frozenset[str] | None = None) -> None:
         """``names``: the request's functions (None: any); a call of another
-        is not streamed, and the text goes out as content at the end."""
+        is not streamed: it and the text after it go out as content at the end."""
         self.parser = parser
         self.names = names
         self.content_sent = 0
@@ -203,15 +231,11 @@ class ToolCallStream:
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[dict]]:
         seen = self.parser.seen(text)
-        calls = seen.calls
-        if self.names is not None:
-            known = [c[0] in self.names for c in calls]
-            calls = calls[:known.index(False)] if False in known else calls
+        calls, rest = reported(seen, self.names)
         content = seen.content
         if final:
-            self.complete = all_valid(seen.calls, self.names)
-            if not seen.is_calls or (not self.called and not self.complete):
-                content = text  # no calls after all: everything is content
+            self.complete = all_valid(calls)
+            content = content_of(self.parser, text, seen, calls, rest)
         delta = content[self.content_sent:]
         self.content_sent = max(self.content_sent, len(content))
         entries = []

@@ -42,17 +42,15 @@ def _check(calls):
     (Required(), REQUIRED_TEXT, None),
 ])
 def test_finished_text_gives_calls(parser, text, content):
-    found, calls = finished_calls(parser, text)
-    assert found == content
+    found, calls, complete = finished_calls(parser, text)
+    assert found == content and complete
     _check(calls)
     assert json.loads(calls[0]["function"]["arguments"])["city"] == "Paris"
 
 
 def test_text_without_calls_is_content():
     for parser in (Hermes(), Llama3Json()):
-        assert finished_calls(parser, "Paris is sunny.") == ("Paris is sunny.", [])
-    broken = '<tool_call>\n{"name": "f", "arguments": {"a": 1'  # cut off by max_tokens
-    assert finished_calls(Hermes(), broken) == (broken, [])
+        assert finished_calls(parser, "Paris is sunny.") == ("Paris is sunny.", [], False)
     assert finished_calls(Named("f"), '{"a": 1}')[1][0]["function"] == {
         "name": "f", "arguments": '{"a": 1}'}
 
@@ -72,7 +70,7 @@ def test_streamed_deltas_add_up_to_the_finished_answer(parser, text):
                 names[e["index"]] = e["function"]["name"]
             args.setdefault(e["index"], []).append(e["function"]["arguments"])
         assert "<tool_call" not in "".join(content)
-    expected_content, calls = finished_calls(parser, text)
+    expected_content, calls, _ = finished_calls(parser, text)
     assert "".join(content).strip() == (expected_content or "")
     assert [names[i] for i in sorted(names)] == [c["function"]["name"] for c in calls]
     assert ["".join(args[i]) for i in sorted(args)] == [c["function"]["arguments"]
@@ -100,7 +98,7 @@ WEATHER = frozenset({"get_weather"})
     'Sure. <tool_call>{"name": "nope", "arguments": {"city": "Paris"}}</tool_call>',
 ])
 def test_what_is_not_a_call_stays_content(text):
-    assert finished_calls(Hermes(), text, WEATHER) == (text, [])
+    assert finished_calls(Hermes(), text, WEATHER) == (text, [], False)
     stream = ToolCallStream(Hermes(), WEATHER)
     assert _streamed(stream, text) == (text, [])
     assert not stream.called and not stream.complete
@@ -120,7 +118,7 @@ REQUIRED_BACKWARDS = ('[{"arguments": {"city": "Paris"}, "name": "get_weather"},
     (Required(), REQUIRED_BACKWARDS, None, ["Paris", "Oslo"]),
 ])
 def test_a_call_with_its_keys_the_other_way_round(parser, text, content, cities):
-    got, calls = finished_calls(parser, text, WEATHER)
+    got, calls, _ = finished_calls(parser, text, WEATHER)
     assert got == content and [c["function"]["name"] for c in calls] == ["get_weather"] * len(cities)
     assert [json.loads(c["function"]["arguments"])["city"] for c in calls] == cities
     stream = ToolCallStream(parser, WEATHER)
@@ -135,19 +133,58 @@ def test_a_call_with_its_keys_the_other_way_round(parser, text, content, cities)
     assert scan_call(text[:text.index("}") + 1], text.index("{")) is None
 
 
-def test_a_cut_off_call_is_not_complete():
+def _collected_like_streamed(parser, text, names):
+    """The finished answer and the stream's deltas, added up, agree."""
+    content, calls, complete = finished_calls(parser, text, names)
+    stream = ToolCallStream(parser, names)
+    streamed, entries = _streamed(stream, text)
+    args: dict[int, str] = {}
+    for e in entries:
+        args[e["index"]] = args.get(e["index"], "") + e["function"]["arguments"]
+    assert streamed.strip() == (content or "")
+    assert [e["function"]["name"] for e in entries if "id" in e] == [
+        c["function"]["name"] for c in calls]
+    assert [args[i] for i in sorted(args)] == [c["function"]["arguments"] for c in calls]
+    assert stream.complete == complete
+    return content, calls, complete
+
+
+def test_a_cut_off_call_is_a_call_as_far_as_it_got():
+    """Cut off by max_tokens: the stream has sent the call's start, so the
+    collected answer reports it too (finish_reason "length" tells)."""
     text = 'Sure. <tool_call>{"name": "get_weather", "arguments": {"city": "Par'
-    stream = ToolCallStream(Hermes(), WEATHER)
-    _, entries = _streamed(stream, text)
-    assert stream.called and not stream.complete  # the renderer keeps finish_reason then
-    assert finished_calls(Hermes(), text, WEATHER) == (text, [])
+    content, calls, complete = _collected_like_streamed(Hermes(), text, WEATHER)
+    assert content == "Sure." and not complete
+    assert [c["function"] for c in calls] == [{"name": "get_weather",
+                                               "arguments": '{"city": "Par'}]
+
+
+def test_a_call_of_an_unknown_function_and_what_follows_is_content():
+    """A good call, then one of a function the request does not have: the
+    good one is a call, streamed and collected; the rest is content, in both."""
+    bad = '<tool_call>{"name": "nope", "arguments": {}}</tool_call>'
+    text = ('Sure. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}'
+            '</tool_call>' + bad)
+    content, calls, complete = _collected_like_streamed(Hermes(), text, WEATHER)
+    assert content == "Sure. " + bad and complete
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Paris"}]
+    llama = '{"name": "get_weather", "parameters": {"city": "Oslo"}}; {"name": "nope", ' \
+            '"parameters": {}}'
+    content, calls, _ = _collected_like_streamed(Llama3Json(), llama, WEATHER)
+    assert content == '{"name": "nope", "parameters": {}}' and len(calls) == 1
+
+
+def test_a_call_whose_arguments_do_not_parse_is_not_complete():
+    text = '<tool_call>{"name": "get_weather", "arguments": {"city": Paris}}</tool_call>'
+    content, calls, complete = _collected_like_streamed(Hermes(), text, WEATHER)
+    assert content is None and len(calls) == 1 and not complete
 
 
 def test_a_grammar_held_call_cut_short_is_still_a_call():
     (call,) = finished_calls(Named("get_weather"), '{"city": "Par')[1]
     assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Par'}
-    content, calls = finished_calls(Required(), REQUIRED_TEXT[:60])
-    assert content is None and [c["function"]["name"] for c in calls] == ["get_weather"]
+    content, calls, complete = finished_calls(Required(), REQUIRED_TEXT[:60])
+    assert content is None and not complete and [c["function"]["name"] for c in calls] == ["get_weather"]
 
 
 def test_template_without_tools_gets_them_as_text():

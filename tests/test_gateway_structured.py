@@ -156,6 +156,8 @@ def test_constrained_stream_survives_decode_worker_death(gateway, workers, url, 
         "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nope"}}}}}},
      "response_format"),
     ("/v1/chat/completions", {"response_format": {"type": "yaml"}}, "response_format"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "loop", "schema": {"$ref": "#"}}}}, "response_format"),
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {
         "parameters": {"type": "object"}}}]}, "tools"),
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {

@@ -35,6 +35,22 @@ def test_invalid_specs_raise_naming_the_field(spec, field):
         SamplingParams(structured_outputs=StructuredOutputsParams(**spec))
 
 
+@pytest.mark.parametrize("schema", [
+    {"$ref": "#"},
+    {"anyOf": [{"$ref": "#"}]},
+    {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+])
+def test_a_schema_no_text_matches_is_refused_before_any_step(schema):
+    """A schema that is only a reference to itself compiles, but allows no
+    first byte: refused when built (the gateway's 400), not at a worker."""
+    with pytest.raises(ValueError, match="structured_outputs.json: no text matches it"):
+        StructuredOutputsParams(json=schema)
+    # Grammars that allow the empty text, or that recurse through a choice, are fine.
+    assert StructuredOutputsParams(regex="a*").key
+    assert StructuredOutputsParams(json={"type": "object", "properties": {
+        "next": {"$ref": "#"}}}).key
+
+
 def _nested(depth: int) -> dict:
     schema = {"type": "string"}
     for _ in range(depth):

@@ -2,8 +2,9 @@
 
 Torch-free: the gateway builds and checks these too, so a bad schema or
 regex is a 400 before any compute. Each spec is turned into one grammar in
-llguidance's format (``grammar``), validated when the object is built; the
-runner compiles that grammar against its tokenizer (engine/structured_output/
+llguidance's format (``grammar``), checked when the object is built (compiled
+against a vocabulary of single bytes: errors, and grammars no text matches);
+the runner compiles that grammar against its tokenizer (engine/structured_output/
 matchers.py). The spec, not the compiled grammar, is what crosses the wire.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json as jsonlib
 from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
 # NOTE: compact JSON (no free whitespace between tokens): a small model
@@ -116,10 +118,45 @@ def _to_grammar(kind: str, value: Any) -> str:
             grammar = matcher.grammar_from_lark(any_to_lark(value))
         except Exception as exc:  # its GBNF converter raises its own error types
             raise ValueError(f"{where}: {exc}") from None
-    error = matcher.validate_grammar(grammar)
-    if error:
-        raise ValueError(f"{where}: {error.strip()}")
+    _check(grammar, where)
     return grammar
+
+
+def _check(grammar: str, where: str) -> None:
+    """ValueError for a grammar that does not compile, or that no text
+    matches (a schema that is only a reference to itself): compiled against
+    a vocabulary of the 256 bytes, whose first mask then allows nothing. The
+    model's vocabulary is not needed for either, and is not at hand in the
+    gateway."""
+    import llguidance
+
+    matcher = llguidance.LLMatcher(_byte_vocabulary(), grammar, log_level=0)
+    if not matcher.is_error():
+        matcher.compute_bitmask()
+        if matcher.is_error():
+            raise ValueError(f"{where}: no text matches it")
+    if matcher.is_error():
+        raise ValueError(f"{where}: {matcher.get_error().strip()}")
+
+
+class _Bytes:
+    """A vocabulary of one token per byte, and an end-of-sequence token
+    (what llguidance's TokenizerWrapper reads)."""
+
+    eos_token_id = 256
+    bos_token_id = None
+    special_token_ids = [256]
+    tokens = [bytes([b]) for b in range(256)] + [b"</s>"]
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        return list(text.encode() if isinstance(text, str) else text)
+
+
+@cache
+def _byte_vocabulary():
+    import llguidance
+
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Bytes()))
 
 
 def _schema(value: Any, where: str) -> dict[str, Any]:

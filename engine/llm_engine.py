@@ -63,6 +63,14 @@ class LLMEngine:
         self.max_model_len = resolved.max_model_len
         self.runner = ModelRunner(config, self.model_config, self.model_dir, self.max_model_len)
         cache = config.cache
+        cache_tokens = self.runner.num_blocks * cache.block_size
+        if cache_tokens < self.max_model_len:
+            # A longer sequence could never be held: requests without
+            # max_tokens would get room the cache does not have.
+            logger.warning("the KV cache holds %d tokens, fewer than max_model_len %d: serving "
+                           "sequences of at most %d tokens", cache_tokens, self.max_model_len,
+                           cache_tokens)
+            self.max_model_len = cache_tokens
         self.kv = KVCacheManager(self.runner.num_blocks, cache.block_size,
                                  cache.enable_prefix_caching)
         self.spec = make_spec_decoder(config, self.model_config, self.max_model_len)

@@ -95,6 +95,9 @@ class WorkerPool:
         self._closing: set[asyncio.Task] = set()
         self._redis = None
         self.changed = asyncio.Event()
+        # Tokens the largest decode worker's whole KV cache holds, as last
+        # polled (0: none polled yet); read from the tokenizer threads too.
+        self.largest_decode_cache = 0
 
     async def start(self) -> None:
         if self.registry_url:
@@ -151,6 +154,9 @@ class WorkerPool:
                 logger.warning("worker registry unreachable (%s): keeping %d known workers",
                                exc, len(self.workers))
         await asyncio.gather(*(self._poll(w) for w in list(self.workers.values())))
+        caches = [w.num_blocks * w.block_size for w in self.decode_workers()]
+        if caches:  # none in rotation now: keep the last known
+            self.largest_decode_cache = max(caches)
         self.changed.set()
 
     async def _discover(self) -> None:

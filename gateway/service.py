@@ -54,7 +54,7 @@ class GatewayService:
         self.model_config = ModelConfig.from_dir(model_dir)
         self.model_name = config.served_model_name or default_model_name(config.model)
         limit = self.model_config.max_model_len
-        self.max_model_len = min(config.max_model_len or limit, limit)
+        self._max_model_len = min(config.max_model_len or limit, limit)
         self.channels = ChannelPool(config.tls)
         self.pool = WorkerPool(self.channels, model_fingerprint(model_dir),
                                static=[*config.prefill, *config.decode],
@@ -77,6 +77,14 @@ class GatewayService:
         self.created = int(time.time())
         self._cpu = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
         self.keys = ApiKeys(config.api_key, config.api_key_file)
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence served: the model's (or ``--max-model-len``),
+        or fewer tokens where that is all the largest decode worker's whole
+        KV cache holds (its engine serves no more)."""
+        cache = self.pool.largest_decode_cache
+        return min(self._max_model_len, cache) if cache else self._max_model_len
 
     async def start(self) -> None:
         await self.pool.start()

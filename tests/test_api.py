@@ -228,6 +228,19 @@ def test_bad_requests_raise_before_any_block_is_allocated(llm, prompt, params, m
     assert not engine.has_unfinished_requests()
 
 
+def test_a_cache_smaller_than_the_context_is_the_context():
+    """8 blocks of 4 tokens under a 256-token max_model_len: the engine
+    serves 32-token sequences, so a request without max_tokens gets the room
+    the cache has instead of a ValueError for blocks it can never hold."""
+    small = LLM(str(tiny_with_tokenizer()), dtype="float32", block_size=4, num_blocks=8,
+                max_model_len=256)
+    assert small.engine.max_model_len == 32
+    (out,) = small.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=None, ignore_eos=True))
+    assert len(out.outputs[0].token_ids) == 27 and out.outputs[0].finish_reason == "length"
+    with pytest.raises(ValueError, match="maximum context length is 32"):
+        small.generate([[5] * 30], SamplingParams(max_tokens=8))
+
+
 def test_a_model_path_that_does_not_exist():
     with pytest.raises(ValueError, match="does not exist"):
         LLM(str(root() / "no-such-model"))

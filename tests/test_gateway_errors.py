@@ -383,17 +383,24 @@ def test_keys_rotate_from_a_file_without_a_restart(cluster, workers, tmp_path):
 def test_a_prompt_no_decode_worker_can_ever_hold_is_400(cluster, workers):
     # 500 prompt tokens fit the model's context but not the only decode
     # worker's 384-token cache: never servable here, so not a 429 to retry.
+    # The context served is that cache's, and /v1/models says so.
     small = start_workers(cluster, ["decode"], SMALL_BLOCKS)
     gateway = start_gateway(cluster, [workers[0], *small])
     try:
         with gateway.http() as http:
+            assert http.get("/v1/models").json()["data"][0]["max_model_len"] == 384
             response = http.post("/v1/completions", json={
                 "model": SERVED, "prompt": [5] * 500, "max_tokens": 4})
             error = assert_error(response, 400)
-            assert "largest decode worker" in error["message"] and "384" in error["message"]
-            # A prompt that fits still works there.
+            assert "maximum context length is 384 tokens" in error["message"], error
+            # A prompt that fits still works there, also without max_tokens:
+            # the room left is the cache's, not the model's 2048 tokens.
             assert http.post("/v1/completions", json={"prompt": [5] * 300, "max_tokens": 4}
                              ).status_code == 200
+            response = http.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "hi"}], "ignore_eos": True})
+            assert response.status_code == 200, response.text
+            assert response.json()["usage"]["total_tokens"] == 384
         channel, stub = gateway.generation_stub()
         with channel, pytest.raises(grpc.RpcError) as err:
             list(stub.Generate(generation_pb2.GenerateRequest(

@@ -339,13 +339,15 @@ async def _merge_spanned(service, rid, prompts, params, ctx):
         async for chunk in service.generate(prompts[0], params[0], rid, ctx):
             yield 0, chunk
         return
-    merged = FanIn([service.generate(p, sp, f"{rid}-p{i}", ctx)
+    admission = service.admit(len(prompts))  # all prompts or none: one 429
+    merged = FanIn([service.generate(p, sp, f"{rid}-p{i}", ctx, admission)
                     for i, (p, sp) in enumerate(zip(prompts, params))])
     try:
         async for item in merged:
             yield item
     finally:
         await merged.aclose()
+        admission.close()
 
 
 async def _first(merged: AsyncIterator) -> Any:

@@ -192,20 +192,29 @@ class GatewayService:
 
     # ---- generation ---------------------------------------------------------------------
 
+    def admit(self, prompts: int = 1) -> Admission:
+        """Places for a request's prompts in ``--max-active-requests``, all
+        or none: Draining (503) or Overloaded (429, counted once in
+        ``requests_rejected``) when they are not all free now."""
+        if self.draining:
+            raise Draining("the server is shutting down")
+        if self.active + prompts > self.config.max_active_requests:
+            self.metrics.rejected.inc()
+            raise Overloaded(f"{self.active} requests in progress; try again shortly")
+        self.active += prompts
+        return Admission(self, prompts)
+
     async def generate(self, prompt: list[int], params: SamplingParams,
                        request_id: str | None = None,
                        trace_parent: otel_context.Context | None = None,
+                       admission: Admission | None = None,
                        ) -> AsyncIterator[Chunk]:
         """Admitted, measured generation of a prompt and parameters the
-        caller has checked (``check_request``). Raises Draining (503) or
-        Overloaded (429) before the first chunk."""
-        if self.draining:
-            raise Draining("the server is shutting down")
-        if self.active >= self.config.max_active_requests:
-            self.metrics.rejected.inc()
-            raise Overloaded(f"{self.active} requests in progress; try again shortly")
+        caller has checked (``check_request``). Admitted here unless the
+        caller's ``admission`` holds a place for it; raises Draining (503) or
+        Overloaded (429) before the first chunk then."""
+        (admission or self.admit()).take()
         request_id = request_id or f"req-{uuid.uuid4().hex}"
-        self.active += 1
         self.metrics.waiting.inc()
         start = time.monotonic()
         last: float | None = None
@@ -267,3 +276,21 @@ def default_model_name(model: str | None) -> str:
         return "SmolLM2-135M-Instruct"
     path = Path(model)
     return path.stem if path.suffix == ".gguf" else path.name
+
+
+class Admission:
+    """Places a request holds in ``--max-active-requests``: each prompt's
+    generation takes one and gives it back when it ends; ``close`` gives
+    back those never taken (a batch that failed before all of its prompts
+    started)."""
+
+    def __init__(self, service: GatewayService, places: int) -> None:
+        self.service = service
+        self.untaken = places
+
+    def take(self) -> None:
+        self.untaken -= 1
+
+    def close(self) -> None:
+        self.service.active -= self.untaken
+        self.untaken = 0

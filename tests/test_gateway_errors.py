@@ -416,28 +416,41 @@ def test_a_prompt_no_decode_worker_can_ever_hold_is_400(cluster, workers):
 # ---- 429 ---------------------------------------------------------------------------------
 
 
+def _rejected(http) -> float:
+    (line,) = [line for line in http.get("/metrics").text.splitlines()
+               if line.startswith("tandem:requests_rejected_total ")]
+    return float(line.split()[1])
+
+
 def test_max_active_requests_is_429(cluster, workers):
-    gateway = start_gateway(cluster, workers, "--max-active-requests", "1")
+    """Each prompt takes a place; a batch of prompts is admitted whole or
+    refused whole, as one rejected request."""
+    gateway = start_gateway(cluster, workers, "--max-active-requests", "2")
     long = {"model": SERVED, "prompt": PROMPT, "max_tokens": 900, "temperature": 0,
             "ignore_eos": True, "stream": True}
+    pair = {"model": SERVED, "prompt": [PROMPT, PROMPT], "max_tokens": 2}
     try:
         with gateway.http() as http, http.stream("POST", "/v1/completions", json=long) as r:
             assert r.status_code == 200
             events = iter_sse(r)
             first = next(events)
             assert first["choices"][0]["finish_reason"] is None
-            # The first request is running: a second one is refused.
+            # One place of two is taken: two prompts at once are refused.
             with gateway.http() as other:
-                response = other.post("/v1/completions", json={**long, "stream": False})
+                response = other.post("/v1/completions", json=pair)
                 assert_error(response, 429)
                 assert "retry-after" in response.headers
             rest = list(events)
             assert rest[-1] == "[DONE]"
             assert rest[-2]["choices"][0]["finish_reason"] == "length"
-        # Once it is done, there is room again.
         with gateway.http() as http:
-            ok = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
-            assert ok.status_code == 200
+            assert _rejected(http) == 1  # one request, not one per prompt
+            # Once it is done, there is room again: the refused batch kept no place.
+            ok = http.post("/v1/completions", json=pair)
+            assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
+            ok = http.post("/v1/completions", json={**pair, "prompt": [PROMPT] * 3})
+            assert_error(ok, 429)
+            assert _rejected(http) == 2
     finally:
         gateway.proc.terminate()
 

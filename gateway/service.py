@@ -164,8 +164,8 @@ class GatewayService:
         """ValueError for more chat messages than ``--max-messages``, or more
         tools than ``--max-tools``."""
         if messages > self.config.max_messages:
-            raise ValueError(f"at most {self.config.max_messages} messages are allowed, "
-                             f"got {messages}")
+            raise InvalidField("messages", f"at most {self.config.max_messages} messages are "
+                                           f"allowed, got {messages}")
         if tools > self.config.max_tools:
             raise InvalidField("tools", f"at most {self.config.max_tools} tools are allowed, "
                                         f"got {tools}")

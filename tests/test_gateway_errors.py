@@ -168,11 +168,18 @@ CHAT_CASES = {
 }
 
 
+# The field some of them name in ``param``.
+CHAT_PARAMS = {"temperature": "temperature", "n": "n", "too_many_messages": "messages",
+               "too_many_tools": "tools", "top_logprobs_without_logprobs": "top_logprobs"}
+
+
 @pytest.mark.parametrize("case", list(CHAT_CASES))
 def test_chat_invalid_params_are_400(http, case):
     body = {"model": SERVED, "messages": MESSAGES, "max_tokens": 4, **CHAT_CASES[case]}
     error = assert_error(http.post("/v1/chat/completions", json=body), 400)
     assert error["type"] == "invalid_request_error"
+    if case in CHAT_PARAMS:
+        assert error["param"] == CHAT_PARAMS[case], error
 
 
 def test_invalid_params_through_the_openai_client(gateway):

@@ -178,7 +178,12 @@ class LayerSink(ABC):
 
 
 async def settle(futures: Iterable[Future]) -> None:
-    """Until every one of ``futures`` has ended, failed or not."""
+    """Until every one of ``futures`` has ended, failed or not. Their errors
+    are the caller's to have seen already: read here, so that asyncio does
+    not log each as never retrieved."""
     futures = [asyncio.wrap_future(f) for f in futures]
     if futures:
         await asyncio.wait(futures)
+    for future in futures:
+        if not future.cancelled():
+            future.exception()

@@ -5,7 +5,8 @@ while its prompt still computes: the torch transport's ``LayerSink``
 As layer ``i`` of a step has stored its KV, the blocks that became final in
 that layer are posted to the pair's frame channel: a frame announces them,
 and the pair's thread reads them out of the cache and sends them while the
-engine computes the next layer.
+engine computes the next layer. A post still queued when the transfer
+fails or is cancelled is dropped unread: its frame is never announced.
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ import torch
 from engine.kv_blocks import KVBlockView
 from kv_transfer.layer_sink import LayerSink
 from kv_transfer.torch_frames import FrameChannel, payload_frame
+
+
+class Cancelled(Exception):
+    """A queued send of a closed sink: nothing was announced or sent."""
 
 
 class LayerSends(LayerSink):
@@ -34,6 +39,8 @@ class LayerSends(LayerSink):
 
     def _submit(self, layer: int, lo: int, hi: int, src: list[int], event) -> Future:
         def read():
+            if self.closed:  # the transfer failed or was cancelled: neither frame nor payload
+                raise Cancelled(f"the layer sends of {self.request_id!r} were closed")
             if event is not None:  # on the pair's stream (torch_pair.py): no host wait
                 torch.cuda.current_stream().wait_event(event)
             return self.io.read_layer(layer, src)

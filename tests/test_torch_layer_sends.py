@@ -120,3 +120,50 @@ async def test_decode_killed_mid_transfer_frees_the_prefill_blocks(cluster, work
         local = await gw.decode(both, "after-kill-local", p, prompt=prompt)
         assert out.token_ids == local.token_ids
     wait_blocks_free([prefill, decode])
+
+
+class _InOrder:
+    """Runs posts one at a time in order, as a pair's frame channel does,
+    recording the frames whose payload was read (and would be sent)."""
+
+    def __init__(self) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.pool = ThreadPoolExecutor(1)
+        self.sent: list[int] = []
+
+    def post(self, frame, read, sent):
+        def run():
+            data = read()
+            self.sent.append(frame.data.layer)
+            sent(data.numel() * data.element_size(), 0)
+            return data.numel()
+        return self.pool.submit(run)
+
+
+async def test_sends_queued_when_the_sink_closes_are_dropped_unread():
+    """A transfer that fails or is cancelled closes its sink: posts still in
+    the channel's queue are neither read nor announced (before, every one of
+    them was read out of the cache and sent to be thrown away)."""
+    import threading
+
+    import torch
+
+    from engine.kv_blocks import KVBlocks
+    from kv_transfer.torch_layers import Cancelled, LayerSends
+
+    caches = [(torch.randn(8, 4, 2, 8), torch.randn(8, 4, 2, 8)) for _ in range(4)]
+    sends = LayerSends(KVBlocks(caches), "r", 1, num_blocks=2, num_layers=4)
+    channel = sends.channel = _InOrder()
+    gate = threading.Event()
+    channel.pool.submit(gate.wait)  # the channel is busy: every post queues behind this
+    sends.start()
+    sends.begin_step([3, 5], 2)
+    for layer in range(4):
+        sends.layer_done(layer)
+    sends.close()
+    gate.set()
+    await sends.settle()
+    assert channel.sent == []
+    assert all(isinstance(f.exception(), Cancelled) for f in sends.futures)
+    assert len(sends.futures) == 4 and sends.landed == [0] * 4

@@ -3,6 +3,7 @@ tokenizes with it."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import re
@@ -142,6 +143,38 @@ class Tokenizer:
         if self._template is None:
             self._template = _compile(self.chat_template)
         return self._template
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatOptions:
+    """How a conversation is rendered: vLLM's chat arguments."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    variables: dict[str, Any] = dataclasses.field(default_factory=dict)  # more for the template
+
+    @classmethod
+    def of(cls, add_generation_prompt: bool = True, continue_final_message: bool = False,
+           chat_template_kwargs: dict[str, Any] | None = None) -> ChatOptions:
+        """The options of a chat call. ``chat_template_kwargs`` may carry the
+        first two as well (they are template variables too, and vLLM takes
+        them from there). ValueError for a variable the rendering sets
+        itself, or for both ways of ending the text at once."""
+        variables = dict(chat_template_kwargs or {})
+        add_generation_prompt = variables.pop("add_generation_prompt", add_generation_prompt)
+        continue_final_message = variables.pop("continue_final_message", continue_final_message)
+        taken = sorted(set(variables) & _RENDERING_OWN)
+        if taken:
+            raise ValueError(f"chat_template_kwargs: {taken} are set by the chat rendering itself")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message goes on with the last message: it needs "
+                             "add_generation_prompt false")
+        return cls(bool(add_generation_prompt), bool(continue_final_message), variables)
+
+
+# Template variables and arguments the rendering sets: not for chat_template_kwargs.
+_RENDERING_OWN = frozenset({"messages", "tools", "template", "tokenize", "bos_token",
+                            "eos_token"})
 
 
 def _compile(template: str):

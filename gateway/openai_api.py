@@ -163,8 +163,10 @@ def build_app(service: GatewayService) -> FastAPI:
 
     async def _completions(body: CompletionRequest, span):
         service.check_model(body.model)
-        if body.suffix or (body.best_of or 1) > 1:
-            raise ValueError("suffix and best_of are not supported")
+        if body.suffix:
+            raise InvalidField("suffix", "suffix is not supported")
+        if (body.best_of or 1) > 1:
+            raise InvalidField("best_of", "best_of is not supported")
         prompts = _prompts(body.prompt)
         if len(prompts) > service.config.max_prompts:
             raise ValueError(f"at most {service.config.max_prompts} prompts are allowed in one "
@@ -175,8 +177,13 @@ def build_app(service: GatewayService) -> FastAPI:
         constraint = await service.off_loop(constraint_of, body)
         # echo with logprobs: the prompt's tokens get theirs too.
         prompt_logprobs = body.prompt_logprobs_with(body.logprobs if body.echo else None)
+        # echo with max_tokens 0 answers the prompt alone (scoring it, as
+        # OpenAI's legacy completions and vLLM do): one token is generated
+        # for the engine's sake and left out.
+        prompt_only = body.echo and body.max_tokens == 0
         params = [body.sampling(
-            body.max_tokens if body.max_tokens is not None else service.default_max_tokens(t),
+            1 if prompt_only else body.max_tokens if body.max_tokens is not None
+            else service.default_max_tokens(t),
             body.logprobs, prompt_logprobs, structured_outputs=constraint) for t in token_lists]
         for t, p in zip(token_lists, params):
             service.check_request(t, p)
@@ -187,7 +194,7 @@ def build_app(service: GatewayService) -> FastAPI:
                 for p in prompts] if body.echo else None
         render = CompletionRenderer(service, rid, token_lists, params[0].n, body.logprobs or 0,
                                      body.return_token_ids, echo, body.prompt_logprobs,
-                                     body.skip_special_tokens)
+                                     body.skip_special_tokens, prompt_only)
         return await _answer(render, _merge(service, rid, token_lists, params, span), body)
 
     @app.post("/v1/chat/completions")
@@ -205,10 +212,13 @@ def build_app(service: GatewayService) -> FastAPI:
             _chat_tools, service, body)
         with _child(span, "gateway.tokenize"):
             tokens = await service.off_loop(service.tokenize_chat, messages,
-                                            body.add_generation_prompt, tools)
+                                            body.chat_options(), tools)
         # NOTE: not `or`: an explicit 0 is invalid (400), not "unset".
         max_tokens = (body.max_completion_tokens if body.max_completion_tokens is not None
                       else body.max_tokens)
+        if body.max_completion_tokens is not None and body.max_completion_tokens < 1:
+            raise InvalidField("max_completion_tokens", "max_completion_tokens must be at least "
+                                                        f"1, got {body.max_completion_tokens}")
         if max_tokens is None:
             max_tokens = service.default_max_tokens(tokens)
         top = body.top_logprobs if body.logprobs else None

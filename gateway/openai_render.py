@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from engine.detokenizer import IncrementalDetokenizer
 from gateway.sequence import Chunk
 from gateway.service import GatewayService
-from gateway.tool_parsers import ToolCallStream, finished_calls
+from gateway.tool_parsers import Named, ToolCallStream, finished_calls
 
 
 class Renderer:
@@ -169,11 +170,13 @@ class TokenOffsets:
 class CompletionRenderer(Renderer):
     def __init__(self, service, rid, prompts: list[list[int]], n: int, top_n: int,
                  return_token_ids: bool = False, echo: list[str] | None = None,
-                 prompt_logprobs: int | None = None, skip_special_tokens: bool = True) -> None:
+                 prompt_logprobs: int | None = None, skip_special_tokens: bool = True,
+                 prompt_only: bool = False) -> None:
         """``echo``: each prompt's text, put before its completions (with the
         prompt's logprobs, when asked: the first token's is None).
         ``skip_special_tokens``: the request's, for where tokens start in
-        its text (``text_offset``)."""
+        its text (``text_offset``). ``prompt_only``: echo with max_tokens 0,
+        the generated token left out of every choice (finish_reason length)."""
         super().__init__(service, rid, len(prompts) * n, prompts, return_token_ids,
                          prompt_logprobs)
         self.n = n
@@ -184,6 +187,14 @@ class CompletionRenderer(Renderer):
         self.echo = echo
         self._heads: dict[int, dict] = {}  # prompt -> its echoed logprobs
         self._started: set[int] = set()
+        self.prompt_only = prompt_only
+
+    async def _chunks(self, first, merged):
+        async for p, chunk in self._all(first, merged):
+            if self.prompt_only:
+                chunk = replace(chunk, token_ids=[], text="", logprobs=[], stop_reason=None,
+                                finish_reason="length" if chunk.finish_reason else None)
+            yield p, chunk
 
     async def _open(self, p: int, choice: int, chunk: Chunk) -> tuple[str, dict | None, bool]:
         """A chunk's text and logprobs, the prompt's before them in the
@@ -194,12 +205,12 @@ class CompletionRenderer(Renderer):
         if self.echo is None or not first:
             return chunk.text, self._logprobs(choice, chunk), first
         text = self.echo[p]
-        if not chunk.logprobs:
+        if not (chunk.logprobs or (self.prompt_only and p in self._scored)):
             return text + chunk.text, None, first
         if p not in self._heads:  # once per prompt, off the event loop: it can be long
             self._heads[p] = await self.service.off_loop(self._echo_head, p)
         head = {key: list(values) for key, values in self._heads[p].items()}
-        for key, values in self._logprobs(choice, chunk).items():
+        for key, values in (self._logprobs(choice, chunk) or {}).items():
             head[key].extend(values)
         return text + chunk.text, head, first
 
@@ -239,7 +250,7 @@ class CompletionRenderer(Renderer):
                 "text_offset": offsets}
 
     async def stream(self, first, merged, include_usage: bool) -> AsyncIterator[dict]:
-        async for p, chunk in self._all(first, merged):
+        async for p, chunk in self._chunks(first, merged):
             self._account(p, chunk)
             choice = p * self.n + chunk.index
             text, logprobs, opens = await self._open(p, choice, chunk)
@@ -257,7 +268,7 @@ class CompletionRenderer(Renderer):
 
     async def collect(self, first, merged) -> dict:
         choices: dict[int, dict] = {}
-        async for p, chunk in self._all(first, merged):
+        async for p, chunk in self._chunks(first, merged):
             self._account(p, chunk)
             index = p * self.n + chunk.index
             c = choices.setdefault(index, {"index": index, "text": "", "logprobs": None,
@@ -283,6 +294,9 @@ class ChatRenderer(Renderer):
         # Finds tool calls in each choice's text (gateway/tool_parsers.py); None: no tools.
         self.tool_parser = tool_parser
         self.tool_names = tool_names  # the functions a call may name (None: any)
+        # finish_reason "tool_calls" where the model chose to call (auto,
+        # required); a call forced by name ends with "stop", as OpenAI's does.
+        self.calls_end_turn = not isinstance(tool_parser, Named)
 
     def _logprobs(self, chunk: Chunk) -> dict | None:
         if not chunk.logprobs:
@@ -324,7 +338,7 @@ class ChatRenderer(Renderer):
                 text, entries = calls.feed("".join(texts), final=bool(reason))
                 if entries:
                     delta["tool_calls"] = entries
-                if reason == "stop" and calls.called and calls.complete:
+                if reason == "stop" and calls.called and calls.complete and self.calls_end_turn:
                     reason = "tool_calls"
             if text or not delta:
                 delta["content"] = text
@@ -355,7 +369,7 @@ class ChatRenderer(Renderer):
                     self.tool_parser, message["content"], self.tool_names)
                 if calls:
                     message["tool_calls"] = calls
-                    if c["finish_reason"] == "stop" and complete:
+                    if c["finish_reason"] == "stop" and complete and self.calls_end_turn:
                         c["finish_reason"] = "tool_calls"
         body = self._collected(choices, "chat.completion")
         if self.return_token_ids:

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutputsParams
-from engine.tokenizer import content_text
+from engine.tokenizer import ChatOptions, content_text
 from gateway.structured import InvalidField
 
 _TOKEN_ID = re.compile(r"[0-9]+")  # ASCII digits only: str.isdigit also takes "²" and "٣"
@@ -147,11 +147,27 @@ class ChatCompletionRequest(_Common):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def check_fields(self) -> None:
         super().check_fields()
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidField("top_logprobs", "top_logprobs need logprobs: true")
+
+    def chat_options(self) -> ChatOptions:
+        return _chat_options(self)
+
+
+def _chat_options(body) -> ChatOptions:
+    """vLLM's chat rendering fields of a request; InvalidField naming the one at fault."""
+    try:
+        return ChatOptions.of(body.add_generation_prompt, body.continue_final_message,
+                              body.chat_template_kwargs)
+    except ValueError as exc:
+        field = "chat_template_kwargs" if str(exc).startswith("chat_template_kwargs") \
+            else "continue_final_message"
+        raise InvalidField(field, str(exc)) from None
 
 
 class TokenizeRequest(BaseModel):
@@ -164,6 +180,11 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool = True
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def chat_options(self) -> ChatOptions:
+        return _chat_options(self)
 
 
 class DetokenizeRequest(BaseModel):

@@ -20,7 +20,7 @@ from engine.loader.resolve import model_fingerprint, resolve_model_dir
 from engine.prompts import context_room
 from engine.request_checks import check_request
 from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
+from engine.tokenizer import ChatOptions, Tokenizer
 from gateway.auth import ApiKeys
 from gateway.config import GatewayConfig
 from gateway.disagg_policy import DisaggPolicy
@@ -121,10 +121,21 @@ class GatewayService:
         self._check_prefixes(text, add_special_tokens)
         return self.tokenizer.encode(text, add_special_tokens)
 
-    def tokenize_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+    def tokenize_chat(self, messages: list[dict], options: ChatOptions,
                       tools: list[dict] | None = None) -> list[int]:
+        """The prompt of a conversation: rendered by the chat template, then
+        checked as a text prompt is (the template may add tools and
+        variables to the messages' text) and tokenized."""
         self._check_chars(sum(len(m.get("content") or "") for m in messages))
-        return self.tokenizer.encode_chat(messages, add_generation_prompt, tools)
+        variables = dict(options.variables)
+        if tools is not None:
+            variables["tools"] = tools
+        text = self.tokenizer.apply_chat_template(
+            messages, options.add_generation_prompt,
+            continue_final_message=options.continue_final_message, **variables)
+        self._check_chars(len(text))
+        self._check_prefixes(text, add_special_tokens=False)
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _check_chars(self, chars: int) -> None:
         """ValueError for a text far too long for the context, before the

@@ -43,7 +43,7 @@ def add_vllm_routes(app: FastAPI, service: GatewayService) -> None:
                 service.tokenizer.chat_template or "",
                 make_parser(service.config.tool_call_parser))
             tokens = await service.off_loop(service.tokenize_chat, messages,
-                                            body.add_generation_prompt)
+                                            body.chat_options())
         else:
             tokens = await service.off_loop(service.tokenize_text, body.prompt,
                                             body.add_special_tokens)
@@ -53,4 +53,6 @@ def add_vllm_routes(app: FastAPI, service: GatewayService) -> None:
     async def detokenize(body: DetokenizeRequest):
         service.check_model(body.model)
         service.model_config.check_prompt(body.tokens)  # ids inside the vocabulary
-        return {"prompt": await service.off_loop(service.tokenizer.decode, body.tokens)}
+        # NOTE: special tokens kept, as vLLM's (Hugging Face's decode): ids
+        # of a chat-templated prompt come back with their turn markers.
+        return {"prompt": await service.off_loop(service.tokenizer.decode, body.tokens, False)}

@@ -22,7 +22,7 @@ from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.prompts import Prompt
 from engine.sampling_params import SamplingParams
-from engine.tokenizer import content_text
+from engine.tokenizer import ChatOptions, content_text
 from gateway.tools import template_call
 
 # vLLM's other names for dtypes.
@@ -202,22 +202,15 @@ class LLM:
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError("this model has no tokenizer")
-        variables = dict(chat_template_kwargs or {})
-        # These two are template variables as well as arguments: either way in.
-        add_generation_prompt = variables.pop("add_generation_prompt", add_generation_prompt)
-        continue_final_message = variables.pop("continue_final_message", continue_final_message)
-        taken = sorted(set(variables) & {"messages", "tools", "template", "tokenize"})
-        if taken:
-            raise ValueError(f"chat_template_kwargs: {taken} are chat()'s own arguments")
-        if continue_final_message and add_generation_prompt:
-            raise ValueError("continue_final_message goes on with the last message: it needs "
-                             "add_generation_prompt=False")
+        options = ChatOptions.of(add_generation_prompt, continue_final_message,
+                                 chat_template_kwargs)
+        variables = dict(options.variables)
         if tools is not None:
             variables["tools"] = tools
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         texts = [tokenizer.apply_chat_template(
-            [_text_message(i, m) for i, m in enumerate(c)], add_generation_prompt,
-            template=chat_template, continue_final_message=continue_final_message,
+            [_text_message(i, m) for i, m in enumerate(c)], options.add_generation_prompt,
+            template=chat_template, continue_final_message=options.continue_final_message,
             **variables)
             for c in conversations]  # type: ignore[arg-type]
         # NOTE: as vLLM, each output's prompt is the rendered text; the template

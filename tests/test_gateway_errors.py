@@ -118,10 +118,15 @@ def test_completion_invalid_params_are_400(http, case):
 
 def test_a_sampling_parameter_s_400_names_it(http):
     for field, value in (("temperature", -1), ("n", 17), ("seed", 2**63), ("min_tokens", 99),
-                         ("stop", [""]), ("logit_bias", {"5": 1000})):
+                         ("stop", [""]), ("logit_bias", {"5": 1000}), ("best_of", 2),
+                         ("suffix", "tail")):
         body = {"model": SERVED, "prompt": PROMPT, "max_tokens": 4, field: value}
         error = assert_error(http.post("/v1/completions", json=body), 400)
-        assert error["param"] == field, (field, error)
+        assert error["param"] == field and field in error["message"], (field, error)
+    error = assert_error(http.post("/v1/chat/completions", json={
+        "model": SERVED, "messages": MESSAGES, "max_completion_tokens": 0}), 400)
+    assert error["param"] == "max_completion_tokens", error
+    assert "max_completion_tokens" in error["message"], error
 
 
 def test_non_finite_floats_are_400(http):

@@ -89,8 +89,19 @@ def test_vllms_tokenize_detokenize_version_and_ping(gateway, tokenizer):
         served = http.post("/v1/chat/completions", json={
             "messages": tools, "max_tokens": 1, "return_token_ids": True}).json()
         assert chat["tokens"] == served["prompt_token_ids"]
+        # Special tokens kept, as vLLM's: a chat prompt's ids come back whole.
         assert http.post("/detokenize", json={"tokens": out["tokens"]}).json() == {
-            "prompt": tokenizer.decode(out["tokens"])}
+            "prompt": tokenizer.decode(out["tokens"], skip_special_tokens=False)}
+        chat = http.post("/tokenize", json={"messages": MESSAGES}).json()["tokens"]
+        assert http.post("/detokenize", json={"tokens": chat}).json()["prompt"] == \
+            tokenizer.apply_chat_template(MESSAGES)
+        # Assistant prefill: the last message left open, as the chat request sees it.
+        started = [*MESSAGES, {"role": "assistant", "content": "The answer is"}]
+        open_ = http.post("/tokenize", json={"messages": started, "add_generation_prompt": False,
+                                             "continue_final_message": True}).json()["tokens"]
+        assert open_ == tokenizer.encode(tokenizer.apply_chat_template(
+            started, False, continue_final_message=True), add_special_tokens=False)
+        assert tokenizer.decode(open_).endswith("The answer is")
         for path, body in (("/tokenize", {}), ("/tokenize", {"prompt": "a", "messages": MESSAGES}),
                            ("/detokenize", {"tokens": [10**9]}),
                            ("/detokenize", {"tokens": [True]})):
@@ -145,6 +156,28 @@ def test_echo_puts_the_prompt_and_its_logprobs_first(client, tokenizer):
         assert choice.logprobs.text_offset[:len(ids)] == scored.text_offset[:len(ids)]
     assert by_ids.token_logprobs[0] is None
     assert by_ids.token_logprobs[1:] == pytest.approx(scored.token_logprobs[1:], rel=1e-5)
+
+
+def test_echo_with_no_tokens_scores_the_prompt_alone(client, tokenizer):
+    """echo with max_tokens 0: the prompt and its logprobs, nothing generated
+    (how perplexity and log-likelihood scripts score a text)."""
+    ids = tokenizer.encode(PROMPT)
+    scored = client.completions.create(model=SERVED, prompt=PROMPT, max_tokens=1, echo=True,
+                                       logprobs=1, **GREEDY).choices[0].logprobs
+    out = client.completions.create(model=SERVED, prompt=[PROMPT, PROMPT], max_tokens=0,
+                                    echo=True, logprobs=1, **GREEDY)
+    for choice in out.choices:
+        assert choice.text == PROMPT and choice.finish_reason == "length"
+        assert choice.logprobs.tokens == scored.tokens[:len(ids)]
+        assert choice.logprobs.token_logprobs[1:] == pytest.approx(
+            scored.token_logprobs[1:len(ids)], rel=1e-5)
+    assert out.usage.completion_tokens == 0 and out.usage.prompt_tokens == 2 * len(ids)
+    streamed = list(client.completions.create(model=SERVED, prompt=PROMPT, max_tokens=0,
+                                              echo=True, stream=True, **GREEDY))
+    assert "".join(c.choices[0].text for c in streamed) == PROMPT
+    assert streamed[-1].choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model=SERVED, prompt=PROMPT, max_tokens=0)
 
 
 def test_text_offsets_point_into_the_text(client, tokenizer):
@@ -214,3 +247,31 @@ def test_chat_logprob_bytes_join_split_characters_back(client):
     tokens = [t for t in out.logprobs.content if t.token != "</s>"]  # EOS ends it
     assert any(t.token == "\ufffd" for t in tokens)
     assert b"".join(bytes(t.bytes) for t in tokens) == "日本".encode()
+
+
+def test_chat_continues_the_final_message(gateway, tokenizer):
+    """vLLM's continue_final_message: the last (assistant) message is left
+    open and the model goes on with it; both ways of ending the prompt at
+    once, or a template variable the rendering sets itself, are 400s."""
+    started = [{"role": "user", "content": "Say hi"},
+               {"role": "assistant", "content": "The answer is"}]
+    expected = tokenizer.encode(tokenizer.apply_chat_template(
+        started, False, continue_final_message=True), add_special_tokens=False)
+    body = {"model": SERVED, "messages": started, "max_tokens": 3, "return_token_ids": True,
+            **GREEDY}
+    with gateway.http() as http:
+        out = http.post("/v1/chat/completions", json={
+            **body, "add_generation_prompt": False, "continue_final_message": True}).json()
+        assert out["prompt_token_ids"] == expected
+        # The same through chat_template_kwargs, as vLLM also takes them.
+        kw = http.post("/v1/chat/completions", json={**body, "chat_template_kwargs": {
+            "add_generation_prompt": False, "continue_final_message": True}}).json()
+        assert kw["prompt_token_ids"] == expected
+        closed = http.post("/v1/chat/completions", json=body).json()
+        assert closed["prompt_token_ids"] != expected
+        for extra, param in (({"continue_final_message": True}, "continue_final_message"),
+                             ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+                             ({"chat_template_kwargs": {"eos_token": "x"}},
+                              "chat_template_kwargs")):
+            r = http.post("/v1/chat/completions", json={**body, **extra})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

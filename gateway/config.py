@@ -86,6 +86,8 @@ class GatewayConfig:
         None, "CA that REST and gRPC callers' certificates must be signed by (then "
               "required); default none: API keys authenticate callers",
         env="TANDEM_TLS_CLIENT_CA_FILE")
+    allowed_origins: str = _opt("*", "origins a browser may call the REST API from (CORS), "
+                                     "separated by commas; '' for none")
     tool_call_parser: str = _opt("hermes", "how tool calls are found in the model's text under "
                                            "tool_choice 'auto'", choices=PARSERS)
     extra: dict = _opt({}, cli=False)

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from gateway.fan_in import FanIn
 from gateway.openai_render import ChatRenderer, CompletionRenderer
@@ -128,6 +129,13 @@ def build_app(service: GatewayService) -> FastAPI:
 
     app.add_middleware(RequestGuard, check_key=service.keys.check,
                        max_body_bytes=service.config.max_body_bytes)
+    origins = [o.strip() for o in service.config.allowed_origins.split(",") if o.strip()]
+    if origins:
+        # NOTE: added last, so outermost: a browser's preflight carries no API
+        # key, and a 401 or 413 must carry the headers for the page to read it.
+        # No credentials: callers authenticate with keys, not cookies.
+        app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"],
+                           allow_headers=["*"])
 
     @app.get("/health")
     async def health(request: Request):

@@ -21,6 +21,8 @@ KNOWN_FLAGS = {
     "--max-stop-chars", "--max-bad-words", "--max-logit-bias", "--tokenizer-threads",
     # TLS (the --tls-* flags shared with workers are rpc/tls.py's, not fields here).
     "--tls-client-ca-file",
+    # Browsers (CORS).
+    "--allowed-origins",
     # Tool calling.
     "--tool-call-parser",
 }

@@ -331,6 +331,41 @@ def test_api_key(keyed_gateway):
         assert client.models.list().data[0].id == SERVED
 
 
+def test_browsers_may_call_from_allowed_origins(keyed_gateway, cluster, workers):
+    """CORS: a browser's preflight (no API key in it) is answered, and every
+    answer, a 401 too, says which origin may read it; none where
+    --allowed-origins is empty."""
+    origin = {"Origin": "https://app.example"}
+    preflight = {**origin, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    body = {"model": SERVED, "prompt": PROMPT, "max_tokens": 2}
+    with keyed_gateway.http() as http:
+        r = http.options("/v1/completions", headers=preflight)
+        assert r.status_code == 200, r.text
+        assert r.headers["access-control-allow-origin"] == "*"
+        assert "authorization" in r.headers["access-control-allow-headers"].lower()
+        denied = http.post("/v1/completions", json=body, headers=origin)
+        assert denied.status_code == 401 and denied.headers["access-control-allow-origin"] == "*"
+        ok = http.post("/v1/completions", json=body,
+                       headers={**origin, "Authorization": f"Bearer {API_KEY}"})
+        assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "*"
+    only = start_gateway(cluster, workers, "--allowed-origins", "https://app.example")
+    closed = start_gateway(cluster, workers, "--allowed-origins", "")
+    try:
+        with only.http() as http:
+            assert http.options("/v1/completions", headers=preflight).headers[
+                "access-control-allow-origin"] == "https://app.example"
+            other = {**preflight, "Origin": "https://evil.example"}
+            assert "access-control-allow-origin" not in http.options(
+                "/v1/completions", headers=other).headers
+        with closed.http() as http:
+            r = http.post("/v1/completions", json=body, headers=origin)
+            assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+    finally:
+        only.proc.terminate()
+        closed.proc.terminate()
+
+
 def _generate(stub, key: str | None, request_id: str = "", max_tokens: int = 2):
     metadata = [("authorization", f"Bearer {key}")] if key else []
     request = generation_pb2.GenerateRequest(

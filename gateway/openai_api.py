@@ -317,7 +317,7 @@ async def _answer(render, merged: AsyncIterator, body):
     """A JSON body, or server-sent events for ``stream: true``."""
     first = await _first(merged)
     if body.stream:
-        return _sse(render.stream(first, merged, body.include_usage))
+        return _sse(render.stream(first, merged, body.include_usage, body.continuous_usage))
     return await render.collect(first, merged)
 
 

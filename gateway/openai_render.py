@@ -49,7 +49,8 @@ class Renderer:
             self.cached_tokens[prompt_index] = chunk.cached_tokens
 
     def usage(self) -> dict:
-        prompt = sum(self.prompt_tokens.values())
+        """So far: a prompt still generating counts its tokens as sent."""
+        prompt = sum(self.prompt_tokens.get(i, len(p)) for i, p in enumerate(self.prompts))
         return {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens,
                 "total_tokens": prompt + self.completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens.values())}}
@@ -119,6 +120,13 @@ class Renderer:
         if chunk.finish_reason:
             choice["finish_reason"] = chunk.finish_reason
             choice["stop_reason"] = self.stop_reason(chunk)
+
+    def _with_usage(self, chunk: dict, continuous: bool) -> dict:
+        """A stream chunk, with the usage so far where vLLM's
+        ``continuous_usage_stats`` asked for it in every chunk."""
+        if continuous:
+            chunk["usage"] = self.usage()
+        return chunk
 
     def _collected(self, choices: dict[int, dict], obj: str) -> dict:
         body = self._envelope([choices[i] for i in sorted(choices)], obj)
@@ -249,7 +257,8 @@ class CompletionRenderer(Renderer):
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
                 "text_offset": offsets}
 
-    async def stream(self, first, merged, include_usage: bool) -> AsyncIterator[dict]:
+    async def stream(self, first, merged, include_usage: bool,
+                     continuous_usage: bool = False) -> AsyncIterator[dict]:
         async for p, chunk in self._chunks(first, merged):
             self._account(p, chunk)
             choice = p * self.n + chunk.index
@@ -262,7 +271,7 @@ class CompletionRenderer(Renderer):
                 body["token_ids"] = list(chunk.token_ids)
                 if opens:
                     body["prompt_token_ids"] = self.prompts[p]
-            yield self._envelope([body], "text_completion")
+            yield self._with_usage(self._envelope([body], "text_completion"), continuous_usage)
         if include_usage:
             yield {**self._envelope([], "text_completion"), "usage": self.usage()}
 
@@ -318,7 +327,8 @@ class ChatRenderer(Renderer):
         return {"token": self.token_text(token_id), "logprob": logprob,
                 "bytes": list(self.token_bytes(token_id))}
 
-    async def stream(self, first, merged, include_usage: bool) -> AsyncIterator[dict]:
+    async def stream(self, first, merged, include_usage: bool,
+                     continuous_usage: bool = False) -> AsyncIterator[dict]:
         started: set[int] = set()
         tools: dict[int, tuple[ToolCallStream, list[str]]] = {}
         async for p, chunk in self._all(first, merged):
@@ -346,7 +356,8 @@ class ChatRenderer(Renderer):
                     "finish_reason": reason, "stop_reason": self.stop_reason(chunk)}
             if self.return_token_ids:
                 body["token_ids"] = list(chunk.token_ids)
-            yield {**self._envelope([body], "chat.completion.chunk"), **envelope}
+            yield self._with_usage({**self._envelope([body], "chat.completion.chunk"),
+                                    **envelope}, continuous_usage)
         if include_usage:
             yield {**self._envelope([], "chat.completion.chunk"), "usage": self.usage()}
 

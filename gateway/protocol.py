@@ -21,6 +21,7 @@ _TOKEN_ID = re.compile(r"[0-9]+")  # ASCII digits only: str.isdigit also takes "
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: the usage so far in every chunk too
 
 
 class _Common(BaseModel):
@@ -112,6 +113,10 @@ class _Common(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(_Common):

@@ -249,6 +249,16 @@ def test_stream_usage(client, tokenizer):
                                                   max_tokens=5, **GREEDY)
     assert chat[-1].usage.prompt_tokens == non_streamed.usage.prompt_tokens
 
+    # vLLM's continuous_usage_stats: every chunk carries the usage so far.
+    for create, kw in ((client.completions.create, {"prompt": PROMPT}),
+                       (client.chat.completions.create, {"messages": MESSAGES})):
+        running = list(create(model=SERVED, max_tokens=5, stream=True, stream_options={
+            "include_usage": True, "continuous_usage_stats": True}, **kw, **GREEDY))
+        assert all(c.usage is not None for c in running)
+        counts = [c.usage.completion_tokens for c in running]
+        assert counts == sorted(counts) and counts[-1] == 5 and counts[0] <= 1
+        assert {c.usage.prompt_tokens for c in running} == {running[-1].usage.prompt_tokens}
+
 
 # ---- colocated mode ---------------------------------------------------------------------
 

@@ -51,6 +51,8 @@ MAX_SEGMENT_BYTES = 8 << 20
 # Mooncake's TCP connections per peer (MC_TCP_LANES_PER_PEER; see MooncakeEndpoint).
 TCP_LANES_PER_PEER = 2
 
+# Segments of one write submitted and not yet landed, at most (``write``).
+MAX_IN_FLIGHT = 512
 # A write's segments still pending after this (plus a second per GiB) fail it.
 WRITE_TIMEOUT_S = 30.0
 # Polling a write's status: the first nap, doubling up to the longest.
@@ -169,20 +171,30 @@ class MooncakeEndpoint:
         which on a host whose cores also compute (a CPU worker, or one
         pinned to its share of cores) starves the engine's own I/O thread
         and the model. Measured here: a quarter to a half of the sender's
-        CPU time, and faster (docs/benchmarks.md)."""
+        CPU time, and faster (docs/benchmarks.md).
+
+        At most MAX_IN_FLIGHT segments are submitted at a time, the next as
+        earlier ones land: the engine's TCP lanes refuse segments past
+        their queues' room (about 2000 here; a long prompt in a fragmented
+        cache has tens of thousands), and after such a refusal segments
+        stayed pending for good, every later write failing with them."""
         engine = self.engine
-        ids = []
-        for s, d, n in zip(src, dst, lengths):
-            batch = engine.transfer_submit_write(peer, s, d, n)
-            if not 0 < batch < 1 << 63:  # 0, or -1 as an unsigned id: not submitted
-                failed = f"could not submit a segment of {n} bytes"
-                break
-            ids.append(batch)
-        else:
-            failed = ""
+        waiting = list(zip(src, dst, lengths))
+        waiting.reverse()  # popped from the end: in order
+        ids: list[int] = []
+        failed = ""
         deadline = time.monotonic() + WRITE_TIMEOUT_S + sum(lengths) / (1 << 30)
         nap = MIN_NAP_S
-        while ids:
+        while waiting or ids:
+            while waiting and len(ids) < MAX_IN_FLIGHT and not failed:
+                s, d, n = waiting.pop()
+                batch = engine.transfer_submit_write(peer, s, d, n)
+                if not 0 < batch < 1 << 63:  # 0, or -1 as an unsigned id: not submitted
+                    failed = f"could not submit a segment of {n} bytes"
+                else:
+                    ids.append(batch)
+            if failed:
+                waiting.clear()  # the write has failed: what is in flight is let land
             left = []
             for batch in ids:
                 status = engine.transfer_check_status(batch)
@@ -193,10 +205,12 @@ class MooncakeEndpoint:
             if left and time.monotonic() > deadline:
                 failed = f"{len(left)} segments still pending after the deadline"
                 break
-            ids = left
-            if ids:
-                time.sleep(nap)
+            if len(left) == len(ids) and left:
+                time.sleep(nap)  # none landed since the last look
                 nap = min(nap * 2, MAX_NAP_S)
+            else:
+                nap = MIN_NAP_S
+            ids = left
         if failed:
             raise Unavailable(f"mooncake write of {sum(lengths)} bytes to {peer} failed: "
                               f"{failed}")

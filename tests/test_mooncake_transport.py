@@ -104,6 +104,35 @@ def test_segments_move_exactly_the_named_blocks():
         b.close()
 
 
+def test_a_write_of_more_segments_than_the_lanes_hold_lands_whole():
+    """A long prompt in a fragmented cache is tens of thousands of segments.
+    Submitted all at once, the engine's TCP lanes refused those past their
+    queues' room, and the segments still queued stayed pending for good:
+    every later write failed. At most MAX_IN_FLIGHT go at a time now."""
+    import torch
+
+    from engine.kv_blocks import KVBlocks
+    from kv_transfer.mooncake_endpoint import MAX_IN_FLIGHT, MooncakeEndpoint
+
+    shape = (1200, 4, 1, 8)
+    src = KVBlocks([(torch.randn(shape), torch.randn(shape)) for _ in range(6)])
+    dst = KVBlocks([(torch.zeros(shape), torch.zeros(shape)) for _ in range(6)])
+    a, b = MooncakeEndpoint(src, "127.0.0.1"), MooncakeEndpoint(dst, "127.0.0.1")
+    try:
+        from_ids, to_ids = list(range(0, 1200, 2)), list(range(1, 1200, 2))  # no runs merge
+        segs = a.segments(b.target(), from_ids, to_ids)
+        assert len(segs[0]) == 12 * 600 > 8 * MAX_IN_FLIGHT
+        for _ in range(2):
+            a.write(b.rpc_address, *segs)
+            assert torch.equal(dst.read(to_ids), src.read(from_ids))
+        small = a.segments(b.target(), [5], [6])
+        a.write(b.rpc_address, *small)
+        assert torch.equal(dst.read([6]), src.read([5]))
+    finally:
+        a.close()
+        b.close()
+
+
 def _thread_cores(pid: int | str = "self") -> dict[int, set[int]]:
     """Each thread of a process and the cores it may run on, from /proc."""
     import os

@@ -37,6 +37,9 @@ from rpc.tracing import end_span, tracer
 
 logger = logging.getLogger("gateway")
 _tracer = tracer("tandem.gateway")
+# Seconds before the second attempt at a request that has no token yet; the
+# third waits twice as long.
+RETRY_BACKOFF_S = 0.1
 
 
 class StreamFailed(TandemError):
@@ -142,6 +145,11 @@ class Orchestrator:
                                err, "migrating" if seq.sent else "retrying")
                 last_error = err
             await self.attempts.abort_everywhere(seq)
+            if not seq.sent and seq.attempt < self.max_attempts:
+                # A retry on the same workers a moment later, not at once: a
+                # failure that passes (a transfer that found the peer busy)
+                # has time to. A stream that moves does not wait: its client does.
+                await asyncio.sleep(RETRY_BACKOFF_S * seq.attempt)
         if seq.aborted:
             yield seq.abort_chunk()
             return

@@ -64,12 +64,9 @@ class LLMEngine:
         self.runner = ModelRunner(config, self.model_config, self.model_dir, self.max_model_len)
         cache = config.cache
         cache_tokens = self.runner.num_blocks * cache.block_size
-        if cache_tokens < self.max_model_len:
-            # A longer sequence could never be held: requests without
-            # max_tokens would get room the cache does not have.
+        if cache_tokens < self.max_model_len:  # a longer sequence could never be held
             logger.warning("the KV cache holds %d tokens, fewer than max_model_len %d: serving "
-                           "sequences of at most %d tokens", cache_tokens, self.max_model_len,
-                           cache_tokens)
+                           "at most that many", cache_tokens, self.max_model_len)
             self.max_model_len = cache_tokens
         self.kv = KVCacheManager(self.runner.num_blocks, cache.block_size,
                                  cache.enable_prefix_caching)
@@ -324,20 +321,15 @@ class LLMEngine:
         return tokenize(self.tokenizer, prompt)
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
-        """ValueError unless this engine can serve the request (the gateway
-        runs the same ``check_request``; this adds what only the engine
-        knows: whether its cache can ever hold the request)."""
+        """ValueError unless this engine can serve the request: the gateway's
+        ``check_request``, against this engine's context (never more than its
+        cache holds, so a request that passes fits the cache), and what needs
+        its tokenizer."""
         params = with_max_tokens(params, len(token_ids), self.max_model_len)
         check_request(token_ids, params, self.model_config, self.max_model_len,
                       self.config.scheduler.max_n)
         if params.structured_outputs is not None and self.tokenizer is None:
             raise ValueError("structured_outputs need the model's tokenizer (tokenizer.json)")
-        total = len(token_ids) + params.max_tokens
-        needed = self.kv.num_blocks_for(total)
-        if needed > self.runner.num_blocks:
-            raise ValueError(
-                f"the request needs {needed} KV blocks, the cache has {self.runner.num_blocks}"
-            )
 
     def _new_sequences(self, request_id: str, token_ids: list[int], params: SamplingParams,
                        arrival_time: float | None = None) -> list[Request]:

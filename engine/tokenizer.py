@@ -171,6 +171,10 @@ class ChatOptions:
                              "add_generation_prompt false")
         return cls(bool(add_generation_prompt), bool(continue_final_message), variables)
 
+    def variables_with(self, tools: list[dict[str, Any]] | None) -> dict[str, Any]:
+        """The template's variables, with ``tools`` where there are any."""
+        return self.variables if tools is None else {**self.variables, "tools": tools}
+
 
 # Template variables and arguments the rendering sets: not for chat_template_kwargs.
 _RENDERING_OWN = frozenset({"messages", "tools", "template", "tokenize", "bos_token",

@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import re
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
@@ -25,73 +24,22 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
 from gateway.fan_in import FanIn
+from gateway.openai_errors import error_response, validation_message
 from gateway.openai_render import ChatRenderer, CompletionRenderer
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.request_guard import RequestGuard, error_body
 from gateway.sequence import Chunk
-from gateway.service import GatewayService, ModelNotFound, request_span
+from gateway.service import GatewayService, request_span
 from gateway.structured import InvalidField, build, constraint_of
 from gateway.tool_parsers import Named, Required, make_parser
 from gateway.tools import chat_messages, parse_tool_choice, parse_tools, tool_constraint
 from gateway.vllm_routes import TANDEM_VERSION, add_vllm_routes
-from rpc.errors import Draining, Overloaded, TandemError, Unavailable
+from rpc.errors import TandemError
 from rpc.tracing import context_from_headers, end_span, tracer
 
 logger = logging.getLogger("gateway")
 
-RETRY_AFTER_S = "1"
 _tracer = tracer("tandem.gateway")
-
-
-def error_response(exc: BaseException) -> JSONResponse:
-    """The status and OpenAI error object for an exception."""
-    if isinstance(exc, Overloaded):
-        return JSONResponse(error_body(str(exc), "rate_limit_error", "rate_limit_exceeded"), 429,
-                            headers={"Retry-After": RETRY_AFTER_S})
-    if isinstance(exc, Unavailable):
-        code = "draining" if isinstance(exc, Draining) else "no_worker_available"
-        return JSONResponse(error_body(str(exc), "service_unavailable", code), 503,
-                            headers={"Retry-After": RETRY_AFTER_S})
-    if isinstance(exc, ModelNotFound):
-        return JSONResponse(error_body(str(exc), "invalid_request_error", "model_not_found",
-                                       "model"), 404)
-    if isinstance(exc, ValueError):
-        return JSONResponse(error_body(str(exc), "invalid_request_error", None,
-                                       _param_of(exc)), 400)
-    if isinstance(exc, TandemError):
-        return JSONResponse(error_body(str(exc), "server_error"), 502)
-    return JSONResponse(error_body("internal error", "server_error"), 500)
-
-
-# Fields a request may have: the Python API's messages start with the one they
-# are about ("temperature must be ..."), which is then OpenAI's ``param``.
-_FIELDS = frozenset(CompletionRequest.model_fields) | frozenset(ChatCompletionRequest.model_fields)
-_FIRST_WORD = re.compile(r"[a-z_]+")
-
-
-def _param_of(exc: ValueError) -> str | None:
-    """The field a 400 is about: an InvalidField's, or the field its message
-    starts with."""
-    param = getattr(exc, "param", None)
-    if param is None:
-        first = _FIRST_WORD.match(str(exc))  # "logit_bias: ...", "structured_outputs.json ..."
-        param = first[0] if first and first[0] in _FIELDS else None
-    return param
-
-
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    errors = exc.errors()
-    if not errors:
-        return "invalid request", None
-    first = errors[0]
-    if first.get("type") == "json_invalid":
-        return "the request body is not valid JSON", None
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    path = ".".join(loc)
-    # OpenAI's `param` names the top-level field; the message has the full path
-    # (which for a union includes the member tried, e.g. prompt.str).
-    param = loc[0] if loc else None
-    return (f"{path}: {first.get('msg')}" if path else str(first.get("msg"))), param
 
 
 def build_app(service: GatewayService) -> FastAPI:
@@ -99,7 +47,7 @@ def build_app(service: GatewayService) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
-        message, param = _validation_message(exc)
+        message, param = validation_message(exc)
         return JSONResponse(error_body(message, "invalid_request_error", None, param), 400)
 
     async def _known(request: Request, exc: Exception):

@@ -142,7 +142,25 @@ class ChatMessage(BaseModel):
         return content_text(self.content)
 
 
-class ChatCompletionRequest(_Common):
+class ChatRendering(BaseModel):
+    """How chat messages become the prompt: vLLM's chat template fields."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def chat_options(self) -> ChatOptions:
+        """The fields as ChatOptions; InvalidField naming the one at fault."""
+        try:
+            return ChatOptions.of(self.add_generation_prompt, self.continue_final_message,
+                                  self.chat_template_kwargs)
+        except ValueError as exc:
+            field = "chat_template_kwargs" if str(exc).startswith("chat_template_kwargs") \
+                else "continue_final_message"
+            raise InvalidField(field, str(exc)) from None
+
+
+class ChatCompletionRequest(_Common, ChatRendering):
     messages: list[ChatMessage]
     max_tokens: StrictInt | None = None
     max_completion_tokens: StrictInt | None = None
@@ -151,31 +169,14 @@ class ChatCompletionRequest(_Common):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
 
     def check_fields(self) -> None:
         super().check_fields()
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidField("top_logprobs", "top_logprobs need logprobs: true")
 
-    def chat_options(self) -> ChatOptions:
-        return _chat_options(self)
 
-
-def _chat_options(body) -> ChatOptions:
-    """vLLM's chat rendering fields of a request; InvalidField naming the one at fault."""
-    try:
-        return ChatOptions.of(body.add_generation_prompt, body.continue_final_message,
-                              body.chat_template_kwargs)
-    except ValueError as exc:
-        field = "chat_template_kwargs" if str(exc).startswith("chat_template_kwargs") \
-            else "continue_final_message"
-        raise InvalidField(field, str(exc)) from None
-
-
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(ChatRendering):
     """vLLM's /tokenize: a prompt, or chat messages through the template."""
 
     model_config = ConfigDict(extra="ignore")
@@ -184,12 +185,6 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = None
     add_special_tokens: bool = True
     messages: list[ChatMessage] | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
-
-    def chat_options(self) -> ChatOptions:
-        return _chat_options(self)
 
 
 class DetokenizeRequest(BaseModel):

@@ -127,12 +127,10 @@ class GatewayService:
         checked as a text prompt is (the template may add tools and
         variables to the messages' text) and tokenized."""
         self._check_chars(sum(len(m.get("content") or "") for m in messages))
-        variables = dict(options.variables)
-        if tools is not None:
-            variables["tools"] = tools
         text = self.tokenizer.apply_chat_template(
             messages, options.add_generation_prompt,
-            continue_final_message=options.continue_final_message, **variables)
+            continue_final_message=options.continue_final_message,
+            **options.variables_with(tools))
         self._check_chars(len(text))
         self._check_prefixes(text, add_special_tokens=False)
         return self.tokenizer.encode(text, add_special_tokens=False)

@@ -37,7 +37,6 @@ class Seen:
     content: str = ""
     calls: list[tuple[str, str, bool]] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)  # where each call's text begins
-    is_calls: bool = False  # the text is (or starts) tool calls
 
 
 class Hermes:
@@ -47,7 +46,7 @@ class Hermes:
         at = text.find(self.OPEN)
         if at < 0:
             return Seen(without_partial_tag(text, self.OPEN))
-        out = Seen(text[:at], is_calls=True)
+        out = Seen(text[:at])
         while at >= 0:
             call = scan_call(text, at + len(self.OPEN))
             if call is None:
@@ -85,7 +84,7 @@ class Llama3Json:
             return Seen()
         if not body.startswith("{"):
             return Seen(text)
-        out, pos, skipped = Seen(is_calls=True), 0, len(text) - len(body)
+        out, pos, skipped = Seen(), 0, len(text) - len(body)
         while True:
             call = scan_call(body, pos)
             if call is None:
@@ -124,8 +123,7 @@ class Named:
         self.name = name
 
     def seen(self, text: str) -> Seen:
-        return Seen(calls=[(self.name, text, value_end(text, 0) is not None)], starts=[0],
-                    is_calls=True)
+        return Seen(calls=[(self.name, text, value_end(text, 0) is not None)], starts=[0])
 
 
 class Required:
@@ -134,7 +132,7 @@ class Required:
     grammar_held = True
 
     def seen(self, text: str) -> Seen:
-        out = Seen(is_calls=True)
+        out = Seen()
         pos = text.find("[") + 1
         while pos > 0:
             call = scan_call(text, pos)
@@ -192,9 +190,13 @@ def finished_calls(parser, text: str, names: frozenset[str] | None = None,
     if calls:
         content = content.strip()
     return content or None, [{"id": new_call_id(), "type": "function",
-                              "function": {"name": name, "arguments": args.rstrip()
-                                           if complete else args}}
+                              "function": {"name": name, "arguments": _shown(args, complete)}}
                              for name, args, complete in calls], all_valid(calls)
+
+
+def _shown(arguments: str, complete: bool) -> str:
+    """A call's arguments as sent: a whole object without the space after it."""
+    return arguments.rstrip() if complete else arguments
 
 
 def all_valid(calls: list[tuple[str, str, bool]]) -> bool:
@@ -240,8 +242,7 @@ class ToolCallStream:
         self.content_sent = max(self.content_sent, len(content))
         entries = []
         for i, (name, args, complete) in enumerate(calls):
-            if complete:
-                args = args.rstrip()
+            args = _shown(args, complete)
             if i == len(self.ids):
                 self.ids.append(new_call_id())
                 self.args_sent.append(0)

@@ -204,9 +204,7 @@ class LLM:
             raise ValueError("this model has no tokenizer")
         options = ChatOptions.of(add_generation_prompt, continue_final_message,
                                  chat_template_kwargs)
-        variables = dict(options.variables)
-        if tools is not None:
-            variables["tools"] = tools
+        variables = options.variables_with(tools)
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         texts = [tokenizer.apply_chat_template(
             [_text_message(i, m) for i, m in enumerate(c)], options.add_generation_prompt,

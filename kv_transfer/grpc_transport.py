@@ -17,6 +17,7 @@ from rpc.channel import MAX_MESSAGE_BYTES
 from rpc.errors import peer_error
 from rpc.pool import ChannelPool
 from rpc.protos import worker_pb2, worker_pb2_grpc
+from rpc.refusal import send_stream
 
 logger = logging.getLogger("kv_transfer")
 
@@ -86,7 +87,7 @@ class GrpcSender(KVSender):
                 sent = ready
 
         try:
-            reply = await stub.PushKV(chunks())
+            reply = await send_stream(stub.PushKV, chunks())
         except grpc.aio.AioRpcError as err:
             raise peer_error(err, f"decode worker {ticket.decode_worker_id}") from None
         return TransferStats("grpc", reply.bytes_received, time.perf_counter() - start)
@@ -101,13 +102,13 @@ class GrpcSender(KVSender):
             stub = worker_pb2_grpc.WorkerStub(self.channels.get(ticket.decode_address))
             filler = bytes(CHUNK_BYTES)
 
-            def chunks():
+            async def chunks():
                 for lo in range(0, PREFLIGHT_BYTES, CHUNK_BYTES):
                     yield worker_pb2.PreflightChunk(data=filler[: PREFLIGHT_BYTES - lo])
 
             start = time.perf_counter()
             try:
-                await stub.Preflight(chunks(), timeout=30)
+                await send_stream(stub.Preflight, chunks(), timeout=30)
             except grpc.aio.AioRpcError as err:
                 logger.warning("grpc preflight to %s failed: %s", peer, err.details())
                 self.report_preflight(peer, PREFLIGHT_BYTES, None)

@@ -12,6 +12,8 @@ from typing import Any
 
 import grpc
 
+from rpc.refusal import refuse
+
 logger = logging.getLogger("rpc")
 
 
@@ -123,7 +125,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         if handler.unary_stream:
             return handler._replace(unary_stream=_wrap_stream(handler.unary_stream))
         if handler.stream_unary:
-            return handler._replace(stream_unary=_wrap_unary(handler.stream_unary))
+            return handler._replace(stream_unary=_wrap_unary(handler.stream_unary,
+                                                                client_stream=True))
         if handler.stream_stream:
             return handler._replace(stream_stream=_wrap_stream(handler.stream_stream))
         return handler
@@ -146,18 +149,23 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
     await context.abort(*error_status(exc))
 
 
-def _wrap_unary(fn):
+def _wrap_unary(fn, client_stream: bool = False):
+    """``client_stream``: the handler reads a stream of requests; a failure
+    is answered once the caller has stopped sending (``rpc.refusal``)."""
     async def wrapper(request, context):
         try:
             return await fn(request, context)
         except grpc.aio.AbortError:
             raise
-        except grpc.aio.AioRpcError as err:
-            await _abort(context, err)
-        except grpc.RpcError:
-            raise
+        except grpc.RpcError as err:
+            if not isinstance(err, grpc.aio.AioRpcError):
+                raise
+            failure: Exception = err
         except Exception as exc:
-            await _abort(context, exc)
+            failure = exc
+        if client_stream:
+            await refuse(request, context)
+        await _abort(context, failure)
 
     return wrapper
 

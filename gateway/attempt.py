@@ -14,7 +14,10 @@ first line: the decode worker runs the whole request.
 A failed call to a worker leaves here as one of two things, decided in
 ``_worker_failure`` and nowhere else: ``AttemptFailed`` when another worker
 may succeed (the orchestrator retries or migrates), or the client's own
-error (``ValueError`` for INVALID_ARGUMENT, ...) when none would.
+error (``ValueError`` for INVALID_ARGUMENT, ...) when none would. A failed
+KV handoff (a Prefill call ending with one of pair_health's
+HANDOFF_FAILURES) is another pair's chance: it counts against the pair, and
+the retry prefers other workers.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import grpc
 
 from gateway.decode_mux import MuxedDecode
 from gateway.disagg_policy import Decision, DisaggPolicy
+from gateway.pair_health import HANDOFF_FAILURES
 from gateway.request_record import RequestRecords
 from gateway.router import WorkerPool, WorkerView
 from gateway.sequence import Chunk, Sequence
@@ -71,8 +75,10 @@ class NoWorkerAvailable(Unavailable):
     (429), a missing one."""
 
 
-def _worker_failure(err: grpc.aio.AioRpcError) -> Exception:
-    if err.code() in RETRYABLE:
+def _worker_failure(err: grpc.aio.AioRpcError, handoff: bool = False) -> Exception:
+    """``handoff``: the failed call was a Prefill, which moves KV between
+    two workers; a layout mismatch or a peer refused is the pair's fault."""
+    if err.code() in RETRYABLE or (handoff and err.code() in HANDOFF_FAILURES):
         return AttemptFailed(err.code(), err.details() or "")
     return from_rpc_error(err)
 
@@ -132,7 +138,7 @@ class Attempts:
             await self.records.state(seq, State.DECODING, decode=decode)
         else:
             decode, ticket = await self._reserve(seq, candidates, params)
-            first = await self._prefill(seq, ticket, params, tried)
+            first = await self._prefill(seq, ticket, params, tried, decode)
             chunk = _first_chunk(seq, first)
             if chunk.finish_reason:
                 # The first token ended the request: no Decode call; the
@@ -157,9 +163,13 @@ class Attempts:
         """Prefill remotely or on ``candidates[0]``; the choice and its
         inputs go on a span of the request and to ``on_decision``."""
         decode = candidates[0]
-        prefill = self.pool.pick_prefill(seq.prompt, tried) or self.pool.pick_prefill(
-            seq.prompt, seq.aborting)
-        decision = self.policy.decide(seq.prompt, decode, prefill, decode.kv_bytes_per_token)
+        prefill = self._pick_prefill(seq, tried, decode)
+        if prefill is None and self._kept_apart(decode):
+            # Whatever the policy: the prompt can reach this decode worker
+            # only by being computed there.
+            decision = Decision(False, "handoffs to this decode worker are failing", {})
+        else:
+            decision = self.policy.decide(seq.prompt, decode, prefill, decode.kv_bytes_per_token)
         span = _tracer.start_span("gateway.disagg_decision", context=seq.trace_ctx, attributes={
             "policy": self.policy.policy, "remote": decision.remote, "reason": decision.reason,
             "decode": decode.address, "prefill": prefill.address if prefill else "",
@@ -221,11 +231,25 @@ class Attempts:
         tokens on a CPU): the configured base plus a margin per token."""
         return self.lease_ms + LEASE_MS_PER_PROMPT_TOKEN * prompt_tokens
 
-    async def _prefill(self, seq: Sequence, ticket, params, tried: set[str]):
-        prefill = self.pool.pick_prefill(seq.prompt, tried) or self.pool.pick_prefill(
-            seq.prompt, seq.aborting)
+    def _pick_prefill(self, seq: Sequence, tried: set[str], decode: WorkerView):
+        """An untried prefill worker for ``decode``, else any that is not
+        still aborting the sequence."""
+        return (self.pool.pick_prefill(seq.prompt, tried, decode.address)
+                or self.pool.pick_prefill(seq.prompt, seq.aborting, decode.address))
+
+    def _kept_apart(self, decode: WorkerView) -> bool:
+        """Some prefill worker is in rotation, but kept apart from ``decode``."""
+        return any(self.pool.pairs.apart(p.address, decode.address)
+                   for p in self.pool.usable(("prefill",)))
+
+    async def _prefill(self, seq: Sequence, ticket, params, tried: set[str],
+                       decode: WorkerView):
+        prefill = self._pick_prefill(seq, tried, decode)
         if prefill is None:
-            raise AttemptFailed(grpc.StatusCode.UNAVAILABLE, "no prefill worker is available")
+            tried.add(decode.address)
+            raise AttemptFailed(grpc.StatusCode.UNAVAILABLE, "no prefill worker is available"
+                                + (f" for decode worker {decode.address}"
+                                   if self._kept_apart(decode) else ""))
         # NOTE: counted before the first await, so that requests arriving
         # together see each other's load when they pick.
         seq.holders.add(prefill.address)
@@ -244,6 +268,7 @@ class Attempts:
             reply = await call
             span.set_attribute("kv_bytes", reply.kv_bytes)
             end_span(span)
+            self.pool.pairs.succeeded(prefill.address, decode.address)
             self.policy.routed(prefill.address, seq.prompt, prefill.block_size)
             self.policy.observe_prefill(
                 prefill.address, ticket.decode_address, len(seq.prompt) - reply.num_cached_tokens,
@@ -252,7 +277,11 @@ class Attempts:
         except grpc.aio.AioRpcError as err:
             end_span(span, err)
             tried.add(prefill.address)
-            raise
+            if err.code() in HANDOFF_FAILURES:
+                # Either side may be at fault: the retry prefers others for both.
+                tried.add(decode.address)
+                self.pool.pairs.failed(prefill.address, decode.address, err.code().name)
+            raise _worker_failure(err, handoff=True) from None
         except BaseException as exc:
             end_span(span, exc)
             raise

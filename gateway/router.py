@@ -9,7 +9,8 @@ gateway's is refused with a logged error and never routed to.
 Decode first: the decode worker with the most free blocks that can hold the
 request. Then the prefill worker: the one the prompt's first block hashes to
 (rendezvous hashing, so repeated prefixes land where they are cached),
-unless its queue is clearly longer than the shortest.
+unless its queue is clearly longer than the shortest, and never one kept
+apart from that decode worker after failed handoffs (``pairs``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import grpc
 
 from engine.config import DTYPE_SIZES
 from gateway.decode_mux import DecodeMux, MuxedDecode, open_mux
+from gateway.pair_health import PairHealth
 from rpc.errors import Unavailable
 from rpc.pool import ChannelPool
 from rpc.protos import worker_pb2, worker_pb2_grpc
@@ -94,6 +96,7 @@ class WorkerPool:
         self._stopped = False
         self._closing: set[asyncio.Task] = set()
         self._redis = None
+        self.pairs = PairHealth()
         self.changed = asyncio.Event()
         # Tokens the largest decode worker's whole KV cache holds, as last
         # polled (0: none polled yet); read from the tokenizer threads too.
@@ -183,6 +186,7 @@ class WorkerPool:
                 logger.info("worker %s stopped heartbeating: out of rotation", address)
                 w.left.set()
                 del self.workers[address]
+                self.pairs.forget(address)
                 self._close_decodes(address)
 
     async def _poll(self, w: WorkerView) -> None:
@@ -247,8 +251,12 @@ class WorkerPool:
 
         return sorted(fits, key=order)
 
-    def pick_prefill(self, prompt: list[int], exclude: set[str]) -> WorkerView | None:
-        candidates = [w for w in self.usable(("prefill",)) if w.address not in exclude]
+    def pick_prefill(self, prompt: list[int], exclude: set[str],
+                     decode: str | None = None) -> WorkerView | None:
+        """The prefill worker for ``prompt`` (``exclude`` left out, and those
+        kept apart from ``decode``: gateway/pair_health.py)."""
+        candidates = [w for w in self.usable(("prefill",)) if w.address not in exclude
+                      and (decode is None or not self.pairs.apart(w.address, decode))]
         if not candidates:
             return None
         prefix = prompt[: candidates[0].block_size]

@@ -5,6 +5,7 @@ The gateway polls every worker's ``Info`` twice a second to route
 scrape of the gateway (or one ``curl``) shows the whole cluster: how busy each
 prefill and decode worker is, whether it answers, and how full its KV cache
 is. Each worker still serves its own /metrics, with the full histograms.
+It also names the prefill -> decode pairs kept apart after failed handoffs.
 
 The names are Tandem's own (``tandem:worker_*``), not vLLM's: a
 ``sum(vllm:num_requests_running)`` over every scraped target must not count
@@ -52,7 +53,13 @@ class WorkerGauges(Collector):
             waiting.add_metric(labels, w.num_waiting)
             if w.num_blocks:
                 kv.add_metric(labels, 1.0 - w.free_blocks / w.num_blocks)
-        yield from (up, running, waiting, kv)
+        apart = GaugeMetricFamily("tandem:kv_handoff_pair_apart",
+                                  "1 while the gateway keeps a prefill and a decode worker "
+                                  "apart after failed KV handoffs (gateway/pair_health.py)",
+                                  labels=["prefill", "decode"])
+        for prefill, decode in self.pool.pairs.apart_now():
+            apart.add_metric([prefill, decode], 1.0)
+        yield from (up, running, waiting, kv, apart)
 
     def describe(self) -> list:
         return []  # NOTE: the series change with the workers; collect() at registration is wasted

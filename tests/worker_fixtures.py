@@ -29,7 +29,7 @@ from engine.sampling_params import SamplingParams
 from rpc.convert import params_to_proto
 from rpc.pool import ChannelPool
 from rpc.protos import common_pb2, worker_pb2, worker_pb2_grpc
-from tandem.cluster import LocalCluster, Proc, free_port
+from tandem.cluster import LocalCluster, Proc
 
 
 def worker_args(model_dir: Path | str, num_blocks: int, *extra: str) -> list[str]:
@@ -66,15 +66,13 @@ def start_worker_set(cluster: LocalCluster, specs: list[tuple[str, tuple[str, ..
                      ) -> list[Worker]:
     """One worker per ``(role, extra flags)``, all started at once: their
     start-ups (imports, model load, warm-up) overlap."""
-    ports = [free_port() if metrics else None for _ in specs]
-    cmds = []
-    for (role, extra), port in zip(specs, ports):
-        args = worker_args(model_dir, num_blocks, *extra)
-        if port is not None:
-            args += ["--metrics-port", str(port)]
-        cmds.append((role, args))
-    return [Worker(proc, num_blocks, port)
-            for proc, port in zip(cluster.start_all(cmds), ports)]
+    # NOTE: port 0, and the worker names the port it got: a port picked here
+    # and bound there could be taken in between.
+    cmds = [(role, [*worker_args(model_dir, num_blocks, *extra),
+                    *(["--metrics-port", "0"] if metrics else [])]) for role, extra in specs]
+    return [Worker(proc, num_blocks, int(proc.extra["metrics"].rsplit(":", 1)[1])
+                   if metrics else None)
+            for proc in cluster.start_all(cmds)]
 
 
 def refused_start(*flags: str) -> str:

@@ -63,7 +63,8 @@ def parser(description: str, roles: list[str]) -> argparse.ArgumentParser:
                    help="host other processes reach this worker at (default: --host)")
     g.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
     g.add_argument("--worker-id", default=None)
-    g.add_argument("--metrics-port", type=int, default=None, help="serve /metrics here")
+    g.add_argument("--metrics-port", type=int, default=None,
+                   help="serve /metrics here (0: a free port, named in the ready line)")
     g.add_argument("--state-url", default=os.environ.get("REDIS_URL"),
                    help="Redis URL to register in (default: $REDIS_URL; none: no registration)")
     g.add_argument("--peer", action="append", default=[], metavar="HOST:PORT",
@@ -222,7 +223,9 @@ async def serve(make_worker: WorkerFactory, args: argparse.Namespace) -> None:
         if registration is not None:
             await registration.start()
         # Launchers and tests wait for this line.
-        print(f"TANDEM_READY {worker.role} {worker_id} {address}", flush=True)
+        metrics = ("" if metrics_server is None
+                   else f" metrics={args.host}:{metrics_server.server_port}")
+        print(f"TANDEM_READY {worker.role} {worker_id} {address}{metrics}", flush=True)
         logger.info("%s worker %s serving on %s%s", worker.role, worker_id, address,
                     " (mTLS)" if tls.enabled else "")
 

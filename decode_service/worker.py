@@ -198,7 +198,7 @@ class DecodeWorker(WorkerBase):
                         or chunk.prompt_logprobs):
                     continue  # the start of a request whose first token was sent already
                 first = False
-                if comp.finished:
+                if comp.finished():
                     self.metrics.observe_finished(len(out.prompt_token_ids),
                                                   len(comp.token_ids), comp.finish_reason or "",
                                                   now - start)

@@ -53,8 +53,8 @@ class CompletionOutput:
     # The sum of the output tokens' logprobs, when ``logprobs`` was asked for.
     cumulative_logprob: float | None = None
 
-    @property
     def finished(self) -> bool:
+        """A method, as vLLM's is."""
         return self.finish_reason is not None
 
 

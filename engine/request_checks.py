@@ -34,7 +34,8 @@ def check_request(token_ids: list[int], params: SamplingParams, model: ModelConf
         raise ValueError(f"allowed_token_ids has {len(params.allowed_token_ids)} entries, more "
                          f"than the vocabulary's {model.vocab_size} tokens")
     for name, ids in (("logit_bias", params.logit_bias or ()),
-                      ("allowed_token_ids", params.allowed_token_ids or ())):
+                      ("allowed_token_ids", params.allowed_token_ids or ()),
+                      ("stop_token_ids", params.stop_token_ids)):
         bad = [t for t in ids if t >= model.vocab_size]
         if bad:
             raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,9 +70,20 @@ class SamplingParams:
                "structured_outputs must be a StructuredOutputsParams")
         self.stop = _listed(self.stop, "stop", str)
         self.stop_token_ids = _listed(self.stop_token_ids, "stop_token_ids")
-        for name in ("n", "max_tokens", "min_tokens", "top_k", "seed"):
-            _check(not isinstance(getattr(self, name), bool),
-                   f"{name} must be an integer, got {getattr(self, name)!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if isinstance(getattr(self, name), bool):  # vLLM's reading: True is 1
+                setattr(self, name, int(getattr(self, name)))
+        # NumPy's and other libraries' scalars, as plain numbers.
+        for name in _INTEGERS:
+            value = _plain(getattr(self, name), int)
+            _check((value is None and name in _MAY_BE_NONE)
+                   or (isinstance(value, int) and not isinstance(value, bool)),
+                   f"{name} must be an integer, got {value!r}")
+            setattr(self, name, value)
+        for name in _REALS:
+            setattr(self, name, _plain(getattr(self, name), float))
+        if self.seed == -1:  # vLLM's "no seed"
+            self.seed = None
         _check(isinstance(self.n, int) and self.n >= 1, f"n must be at least 1, got {self.n}")
         _check(
             self.max_tokens is None or (isinstance(self.max_tokens, int)
@@ -178,7 +190,23 @@ class SamplingParams:
                 or self.allowed_token_ids is not None or bool(self.bad_words))
 
 
+_INTEGERS = ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs")
+_MAY_BE_NONE = ("max_tokens", "seed", "logprobs", "prompt_logprobs")
+_REALS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+          "frequency_penalty")
 _FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _plain(value: Any, kind: type) -> Any:
+    """A scalar of another library (``numpy.int64(5)``) as ``kind``; anything
+    else unchanged, for the checks to judge."""
+    if isinstance(value, bool | kind) or value is None:
+        return value
+    if kind is int and isinstance(value, numbers.Integral):
+        return int(value)
+    if kind is float and isinstance(value, numbers.Real):
+        return float(value)
+    return value
 _INT32_MAX, _UINT32_MAX, _INT64_MAX = 2**31 - 1, 2**32 - 1, 2**63 - 1
 
 

@@ -202,7 +202,8 @@ def _up_to_final_message(text: str, content: str) -> str:
 
 def content_text(content: Any) -> str:
     """A chat message's content as text: a string, None (""), or OpenAI's
-    list of text parts joined; ValueError for any other part (an image)."""
+    list of text parts, one per line (as vLLM joins them); ValueError for
+    any other part (an image)."""
     if content is None or isinstance(content, str):
         return content or ""
     texts = []
@@ -211,7 +212,7 @@ def content_text(content: Any) -> str:
                 or not isinstance(part.get("text"), str):
             raise ValueError("only text parts are supported in a message's content")
         texts.append(part["text"])
-    return "".join(texts)
+    return "\n".join(texts)
 
 
 def _check_messages(messages: Any) -> None:

@@ -15,6 +15,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.generation_config import CHOICES as GENERATION_CONFIGS
+from engine.generation_config import check_choice as check_generation_config
 from gateway.disagg_policy import POLICIES
 from gateway.tool_parsers import PARSERS
 from rpc.lease import DEFAULT_LEASE_MS
@@ -56,6 +58,10 @@ class GatewayConfig:
                                               "this many tokens not cached on the decode worker "
                                               "are computed there")
     max_model_len: int | None = _opt(None)
+    generation_config: str = _opt("auto", "auto: the sampling defaults in the model's "
+                                          "generation_config.json fill the fields a request "
+                                          "leaves unset (vLLM's default); vllm: ignore them",
+                                  choices=GENERATION_CONFIGS)
     max_active_requests: int = _opt(256)
     lease_ms: int = _opt(DEFAULT_LEASE_MS, "how long a decode worker holds blocks reserved for a "
                                  "prompt (plus 25 ms per prompt token)")
@@ -93,6 +99,7 @@ class GatewayConfig:
     extra: dict = _opt({}, cli=False)
 
     def __post_init__(self) -> None:
+        check_generation_config(self.generation_config)
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if self.disagg_policy not in POLICIES:

@@ -140,7 +140,8 @@ def build_app(service: GatewayService) -> FastAPI:
         params = [body.sampling(
             1 if prompt_only else body.max_tokens if body.max_tokens is not None
             else service.default_max_tokens(t),
-            body.logprobs, prompt_logprobs, structured_outputs=constraint) for t in token_lists]
+            body.logprobs, prompt_logprobs, structured_outputs=constraint,
+            defaults=service.sampling_defaults) for t in token_lists]
         for t, p in zip(token_lists, params):
             service.check_request(t, p)
         rid = f"cmpl-{uuid.uuid4().hex}"
@@ -181,7 +182,7 @@ def build_app(service: GatewayService) -> FastAPI:
         if body.logprobs and top is None:
             top = 0
         params = body.sampling(max_tokens, top, body.prompt_logprobs_with(),
-                               structured_outputs=constraint)
+                               structured_outputs=constraint, defaults=service.sampling_defaults)
         service.check_request(tokens, params)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         render = ChatRenderer(service, rid, tokens, params.n, top or 0, tool_parser, names,

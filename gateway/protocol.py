@@ -7,6 +7,7 @@ Field names and defaults follow OpenAI's API; vLLM's extra sampling fields
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
@@ -22,6 +23,12 @@ _TOKEN_ID = re.compile(r"[0-9]+")  # ASCII digits only: str.isdigit also takes "
 class StreamOptions(BaseModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: the usage so far in every chunk too
+
+
+# The fields a model's generation_config.json may give defaults for (a
+# request's null is unset too), and their own defaults (SamplingParams').
+_BUILT_IN = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+             "repetition_penalty": 1.0}
 
 
 class _Common(BaseModel):
@@ -41,9 +48,9 @@ class _Common(BaseModel):
     frequency_penalty: float = 0.0
     user: str | None = None
     # vLLM's extras
-    top_k: StrictInt = -1
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    top_k: StrictInt | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     min_tokens: StrictInt = 0
     ignore_eos: bool = False
     stop_token_ids: list[StrictInt] | None = None
@@ -68,14 +75,17 @@ class _Common(BaseModel):
 
     def sampling(self, max_tokens: int, logprobs: int | None,
                  prompt_logprobs: int | None = None,
-                 structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
-        """Raises ValueError with the same messages as the Python API."""
+                 structured_outputs: StructuredOutputsParams | None = None,
+                 defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+        """Raises ValueError with the same messages as the Python API.
+        ``defaults``: the model's sampling defaults (engine/generation_config.py),
+        for the fields this request leaves unset."""
+        model = {k: v for k, v in (defaults or {}).items() if k in _BUILT_IN}
+        given = {k: getattr(self, k) for k in _BUILT_IN if getattr(self, k) is not None}
         self.check_fields()
         return SamplingParams(
             n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k,
-            min_p=self.min_p, seed=self.seed, repetition_penalty=self.repetition_penalty,
+            **{**_BUILT_IN, **model, **given}, seed=self.seed,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             stop_token_ids=list(self.stop_token_ids or []),

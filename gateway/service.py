@@ -16,6 +16,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from engine.config import ModelConfig
+from engine.generation_config import sampling_defaults
 from engine.loader.resolve import model_fingerprint, resolve_model_dir
 from engine.prompts import context_room
 from engine.request_checks import check_request
@@ -52,6 +53,9 @@ class GatewayService:
         model_dir = resolve_model_dir(config.model)
         self.tokenizer = Tokenizer(model_dir)
         self.model_config = ModelConfig.from_dir(model_dir)
+        # What a request leaves unset is sampled as the model's
+        # generation_config.json says.
+        self.sampling_defaults = sampling_defaults(model_dir, config.generation_config)
         self.model_name = config.served_model_name or default_model_name(config.model)
         limit = self.model_config.max_model_len
         self._max_model_len = min(config.max_model_len or limit, limit)
@@ -162,7 +166,10 @@ class GatewayService:
             size *= 4
 
     def default_max_tokens(self, prompt: list[int]) -> int:
-        return context_room(len(prompt), self.max_model_len)
+        """A request's max_tokens when it sends none: the room left in the
+        context, or the model's ``max_new_tokens`` if less."""
+        room = context_room(len(prompt), self.max_model_len)
+        return min(room, self.sampling_defaults.get("max_tokens") or room)
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(*args)`` (tokenizing, chat templating) on the tokenizer

@@ -18,6 +18,7 @@ from engine.config import (
     default_of,
     engine_config_from_flat,
 )
+from engine.generation_config import check_choice, sampling_defaults
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.prompts import Prompt
@@ -97,9 +98,13 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, max_logprobs: int = 20,
                  tokenizer: str | None = None, trust_remote_code: bool = False,
-                 disable_log_stats: bool = True, **kwargs: Any) -> None:
+                 disable_log_stats: bool = True, generation_config: str = "auto",
+                 **kwargs: Any) -> None:
         """``kwargs``: ``engine_config``'s. ``max_logprobs``: the most
         ``logprobs`` / ``prompt_logprobs`` a request may ask for (at most 20).
+        ``generation_config``: "auto" samples by the model's
+        generation_config.json when no sampling params are given (vLLM's
+        default), "vllm" by SamplingParams' own defaults.
         vLLM's ``trust_remote_code`` and ``disable_log_stats`` change nothing
         here (Tandem runs no code from a checkpoint and logs no stats), and
         ``tokenizer`` may only name the model: its directory holds the
@@ -113,8 +118,16 @@ class LLM:
         if not isinstance(max_logprobs, int) or not 0 <= max_logprobs <= 20:
             raise ValueError(f"max_logprobs must be in [0, 20], got {max_logprobs!r}")
         self.max_logprobs = max_logprobs
+        check_choice(generation_config)  # before the model loads
         self.engine = LLMEngine(engine_config(model, **kwargs))
+        self._defaults = sampling_defaults(self.engine.model_dir, generation_config)
         self._ids = itertools.count()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` and ``chat`` sample with when given no params:
+        SamplingParams' defaults, with the model's generation_config.json
+        over them (unless ``generation_config="vllm"``)."""
+        return SamplingParams(**self._defaults)
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -157,7 +170,7 @@ class LLM:
         if not tokenized:
             return []
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(tokenized)
+            params = [sampling_params or self.get_default_sampling_params()] * len(tokenized)
         else:
             params = list(sampling_params)
             if len(params) != len(tokenized):
@@ -187,18 +200,31 @@ class LLM:
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
-        add_generation_prompt: bool = True,
-        *,
-        continue_final_message: bool = False,
+        lora_request: None = None,
         chat_template: str | None = None,
-        chat_template_kwargs: dict[str, Any] | None = None,
+        chat_template_content_format: str = "auto",
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template (or ``chat_template``) to one
-        conversation or a list of them, as vLLM's ``LLM.chat``: a message's
-        content may be a list of text parts; ``tools`` and
-        ``chat_template_kwargs`` go to the template; ``continue_final_message``
-        leaves the last message open for the model to go on with."""
+        conversation or a list of them, as vLLM's ``LLM.chat`` (its
+        parameters, in its order): a message's content may be a list of
+        text parts; ``tools`` and ``chat_template_kwargs`` go to the template;
+        ``continue_final_message`` leaves the last message open for the model
+        to go on with. Tandem serves text alone: ``lora_request`` and
+        ``mm_processor_kwargs`` must be None, and contents are always given
+        to the template as strings (``chat_template_content_format`` "auto"
+        or "string")."""
+        if lora_request is not None:
+            raise ValueError("LoRA adapters are not supported")
+        if mm_processor_kwargs:
+            raise ValueError("multimodal inputs are not supported")
+        if chat_template_content_format not in ("auto", "string"):
+            raise ValueError(f"chat_template_content_format {chat_template_content_format!r} "
+                             "is not supported; contents are given as strings ('string')")
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError("this model has no tokenizer")
@@ -257,14 +283,14 @@ class LLM:
 
 def _text_message(index: int, message: Any) -> Any:
     """``message`` as chat templates take it: a content of OpenAI text parts
-    joined into a string, no content beside tool calls as "", and the tool
-    calls' arguments as objects."""
+    joined into a string, no content (None, or none given) as "", and the
+    tool calls' arguments as objects."""
     if not isinstance(message, Mapping):
         return message
     out = dict(message)
     try:
         content = message.get("content")
-        if isinstance(content, list) or (content is None and message.get("tool_calls")):
+        if isinstance(content, list) or content is None:
             out["content"] = content_text(content)
         if message.get("tool_calls"):
             out["tool_calls"] = [template_call(c) for c in message["tool_calls"]]

@@ -90,8 +90,8 @@ def test_chat_applies_the_template(llm):
     outs = llm.chat([messages, messages + [{"role": "assistant", "content": "hi"}]], GREEDY,
                     use_tqdm=False)
     assert len(outs) == 2 and outs[0].outputs[0].token_ids == out.outputs[0].token_ids
-    with pytest.raises(ValueError):
-        llm.chat([{"role": "user"}], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="role"):
+        llm.chat([{"content": "hello"}], GREEDY, use_tqdm=False)
 
 
 # ---- AsyncEngine ------------------------------------------------------------------

@@ -151,11 +151,16 @@ def test_vllm_constructor_and_generate_arguments(llm):
 def test_chat_arguments(llm):
     tok = llm.get_tokenizer()
     plain = [{"role": "user", "content": "hello there"}]
-    parts = [{"role": "user", "content": [{"type": "text", "text": "hello "},
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hello"},
                                           {"type": "text", "text": "there"}]}]
-    (a,) = llm.chat(plain, greedy(), use_tqdm=False)
+    (a,) = llm.chat([{"role": "user", "content": "hello\nthere"}], greedy(), use_tqdm=False)
     (b,) = llm.chat(parts, greedy(), use_tqdm=False)
-    assert a.prompt_token_ids == b.prompt_token_ids
+    assert a.prompt_token_ids == b.prompt_token_ids  # one part per line, as vLLM joins them
+    # No content at all is an empty one (vLLM's reading), with or without the key.
+    (none,) = llm.chat([{"role": "user", "content": None}], greedy(), use_tqdm=False)
+    (empty,) = llm.chat([{"role": "user", "content": ""}], greedy(), use_tqdm=False)
+    (missing,) = llm.chat([{"role": "user"}], greedy(), use_tqdm=False)
+    assert none.prompt_token_ids == empty.prompt_token_ids == missing.prompt_token_ids
     with pytest.raises(ValueError, match="text parts"):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
                  greedy(), use_tqdm=False)
@@ -298,3 +303,84 @@ def test_n_with_the_largest_seed(llm):
     top = one(llm, PROMPT, SamplingParams(n=2, seed=2**63 - 1, max_tokens=4)).outputs
     wrapped = one(llm, PROMPT, SamplingParams(seed=-2**63, max_tokens=4)).outputs[0]
     assert len(top) == 2 and top[1].token_ids == wrapped.token_ids
+
+
+# ---- what the review against vLLM's API found ------------------------------------------------
+
+
+def test_sampling_params_read_values_as_vllm_does():
+    import numpy as np
+
+    assert SamplingParams(logprobs=True, prompt_logprobs=True).logprobs == 1  # True is 1
+    assert SamplingParams(prompt_logprobs=True).prompt_logprobs == 1
+    assert SamplingParams(seed=-1).seed is None  # vLLM's "no seed"
+    p = SamplingParams(n=np.int64(2), max_tokens=np.int32(5), seed=np.int64(7),
+                       temperature=np.float32(0.5), top_p=np.float64(0.9))
+    assert (p.n, p.max_tokens, p.seed, p.temperature, p.top_p) == (2, 5, 7, 0.5, 0.9)
+    assert type(p.n) is int and type(p.temperature) is float
+    with pytest.raises(ValueError, match="max_tokens must be an integer, got 3.0"):
+        SamplingParams(max_tokens=3.0)
+    with pytest.raises(ValueError, match="seed must be an integer"):
+        SamplingParams(seed="x")
+
+
+def test_logprobs_true_runs_beside_other_requests(llm):
+    """It crashed the sampler's step (topk of a bool), and every request in it."""
+    outs = llm.generate([PROMPT, PROMPT], [greedy(max_tokens=3, logprobs=True), greedy()],
+                        use_tqdm=False)
+    assert [len(e) for e in outs[0].outputs[0].logprobs] and len(outs[1].outputs[0].token_ids)
+    assert all(1 <= len(e) <= 2 for e in outs[0].outputs[0].logprobs)
+    assert_all_free(llm.engine)
+
+
+def test_a_stop_token_outside_the_vocabulary_is_refused(llm):
+    with pytest.raises(ValueError, match="stop_token_ids: token id"):
+        llm.generate(PROMPT, greedy(stop_token_ids=[VOCAB + 5]), use_tqdm=False)
+    assert_all_free(llm.engine)
+
+
+def test_chat_takes_vllms_parameters_in_vllms_order(llm):
+    messages = [{"role": "user", "content": "hello"}]
+    (a,) = llm.chat(messages, greedy(), False, None, None, "string", True)
+    (b,) = llm.chat(messages, greedy(), use_tqdm=False, lora_request=None,
+                    mm_processor_kwargs=None, chat_template_content_format="auto")
+    assert a.prompt_token_ids == b.prompt_token_ids
+    with pytest.raises(ValueError, match="chat_template_content_format"):
+        llm.chat(messages, greedy(), use_tqdm=False, chat_template_content_format="openai")
+    with pytest.raises(ValueError, match="LoRA"):
+        llm.chat(messages, greedy(), use_tqdm=False, lora_request=object())
+    assert b.outputs[0].finished()  # a method, as vLLM's
+
+
+def _with_generation_config(tmp_path, **values):
+    import json
+    import shutil
+
+    path = tmp_path / "model"
+    shutil.copytree(tiny_with_tokenizer(), path)
+    gen = path / "generation_config.json"
+    config = json.loads(gen.read_text()) if gen.is_file() else {}
+    gen.write_text(json.dumps({**config, **values}))
+    return str(path)
+
+
+def test_the_models_generation_config_sets_the_defaults(tmp_path):
+    model = _with_generation_config(tmp_path, temperature=0.0, max_new_tokens=3)
+    kw = dict(dtype="float32", block_size=4, num_blocks=128, max_model_len=256)
+    llm = LLM(model, **kw)
+    default = llm.get_default_sampling_params()
+    assert (default.temperature, default.max_tokens) == (0.0, 3)
+    first, second = (llm.generate(PROMPT, use_tqdm=False)[0].outputs[0] for _ in range(2))
+    assert len(first.token_ids) <= 3 and first.token_ids == second.token_ids  # greedy
+    (chat,) = llm.chat([{"role": "user", "content": "hi"}], use_tqdm=False)
+    assert len(chat.outputs[0].token_ids) <= 3
+    # Given params are used as given; "vllm" ignores the file.
+    given = llm.generate(PROMPT, SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)
+    assert len(given[0].outputs[0].token_ids) == 5
+    plain = LLM(model, generation_config="vllm", **kw)
+    assert plain.get_default_sampling_params() == SamplingParams()
+    with pytest.raises(ValueError, match="generation_config must be one of"):
+        LLM(model, generation_config="hf", **kw)
+    bad = _with_generation_config(tmp_path / "bad", temperature=-1)
+    with pytest.raises(ValueError, match="generation_config.json: temperature"):
+        LLM(bad, **kw)

@@ -25,6 +25,8 @@ KNOWN_FLAGS = {
     "--allowed-origins",
     # Tool calling.
     "--tool-call-parser",
+    # Sampling defaults from the model's generation_config.json.
+    "--generation-config",
 }
 
 

@@ -275,3 +275,33 @@ def test_chat_continues_the_final_message(gateway, tokenizer):
                               "chat_template_kwargs")):
             r = http.post("/v1/chat/completions", json={**body, **extra})
             assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_the_models_generation_config_fills_what_a_request_leaves_unset(cluster, workers,
+                                                                       tmp_path):
+    """As vLLM's server: the model's generation_config.json (greedy, 4 new
+    tokens here) for the fields a request does not send; ``--generation-config
+    vllm`` ignores it."""
+    import json
+    import shutil
+
+    from gateway_fixtures import start_gateway, tiny_model
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model(), model)
+    gen = model / "generation_config.json"
+    config = json.loads(gen.read_text()) if gen.is_file() else {}
+    gen.write_text(json.dumps({**config, "temperature": 0.0, "max_new_tokens": 4}))
+
+    def chat(gw, **kw):
+        out = gw.client().chat.completions.create(model=SERVED, messages=MESSAGES,
+                                                  extra_body={"ignore_eos": True}, **kw)
+        return out.choices[0].message.content, out.usage.completion_tokens
+
+    defaulted = start_gateway(cluster, workers, model=model)
+    text, used = chat(defaulted)
+    assert used == 4  # max_new_tokens
+    assert chat(defaulted, temperature=0, max_tokens=4) == (text, 4)  # greedy by default
+    assert chat(defaulted, max_tokens=6)[1] == 6  # what a request sends wins
+    plain = start_gateway(cluster, workers, "--generation-config", "vllm", model=model)
+    assert chat(plain)[1] > 4  # the context's room, not the file's

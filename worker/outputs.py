@@ -18,7 +18,7 @@ def to_chunk(out: RequestOutput, comp: CompletionOutput) -> worker_pb2.DecodeChu
         chunk.logprobs.extend(
             logprobs_to_proto(t, lp) for t, lp in zip(comp.delta_token_ids, new)
         )
-    if comp.finished:
+    if comp.finished():
         chunk.usage.CopyFrom(common_pb2.Usage(
             prompt_tokens=len(out.prompt_token_ids), completion_tokens=len(comp.token_ids),
             cached_tokens=out.num_cached_tokens,

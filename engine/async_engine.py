@@ -294,6 +294,7 @@ class AsyncEngineLoop:
                         return
                     ops, self._ops = self._ops, []
                 self._run_ops(ops)
+            steps = self.engine.num_steps
             outputs, failed = self._step()
             until_op = False
             if failed is not None:  # the model failed: fail what was running, keep serving
@@ -307,11 +308,12 @@ class AsyncEngineLoop:
                 self._post(self._fail_streams, aborted, failed, self._ops_run)
                 continue
             self._post(self._dispatch, outputs, self._ops_run)
-            # NOTE: requests wait but none fits (their blocks are held, e.g. by
-            # a decode worker's reservations), and nothing runs that could free
-            # blocks: only an op can change that. Wait for one instead of
-            # spinning a core on empty steps.
-            until_op = not ops and not outputs and not self.engine.stats().num_running
+            # NOTE: requests wait but the scheduler ran none (their blocks are
+            # held, e.g. by a decode worker's reservations): only an op can
+            # change that. Wait for one instead of spinning a core on empty
+            # steps. (Not "no outputs and none running": a step that preempted
+            # every running request has neither, and the next one runs them.)
+            until_op = not ops and self.engine.num_steps == steps
 
     def _fail_streams(self, aborted: list[str], failed: Exception, stamp: int) -> None:
         """On the event loop: end the streams of the requests a failed step aborted."""

@@ -140,6 +140,7 @@ class LLMEngine:
         ``abort_request`` frees them.
         """
         token_ids = list(token_ids)
+        params = with_max_tokens(params, len(token_ids), self.max_model_len)
         self.validate(token_ids, params)
         if params.n != 1:
             raise ValueError("a reservation is for one sequence (n=1)")

@@ -116,7 +116,7 @@ class Scheduler:
             break  # the request itself was preempted: nothing after it fits either
 
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            if out.preempted:
+            if out.preempted and self.running:
                 break  # blocks are short: let running requests drain first
             request = self.waiting[0]
             hits, num_hit = [], 0
@@ -126,7 +126,9 @@ class Scheduler:
             num_new = self._chunk(request.num_tokens - start, budget)
             num_held = self.kv.num_held(request.request_id)
             if not self.kv.allocate_slots(request, num_new, hits):
-                break
+                if self.running or out.scheduled or not self._free_queued(request):
+                    break
+                continue  # the same request again, with the blocks just freed
             self.waiting.popleft()
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
@@ -206,8 +208,10 @@ class Scheduler:
             for request in finished:
                 self._release(request)
         for request in dead_ends:  # structured outputs: the grammar allowed no token
+            # NOTE: at its first token, n > 1 siblings not forked yet end with
+            # it: they would meet the same grammar at the same place.
+            changed += [request, *request.pending_children]
             self.finish(request.request_id, RequestStatus.FINISHED_GRAMMAR)
-            changed.append(request)
         if self.spec is not None:
             self.spec.end_step(out)  # what the step cost: when speculation pays (drafter.py)
         return changed
@@ -247,7 +251,7 @@ class Scheduler:
         if status is RequestStatus.FINISHED_ABORTED:
             request.hold_blocks = False
         for child in request.pending_children:
-            self.finish(child.request_id, status)
+            child.status = status  # not forked yet: nothing held, nowhere queued
         request.pending_children = []
         request.status = status
         request.stop_reason = reason
@@ -326,7 +330,23 @@ class Scheduler:
             self.waiting.appendleft(child)
         parent.pending_children = []
 
-    def _preempt(self, request: Request) -> None:
+    def _free_queued(self, head: Request) -> bool:
+        """Nothing runs, and ``head`` cannot get its blocks: free those of
+        the newest request queued behind it that holds any (a forked
+        sibling's share of the prompt, KV that arrived from a prefill
+        worker); it computes them again in its turn. Without this the engine
+        stopped for good, every free block too few for the head and nothing
+        left to finish and free more. False if none holds any."""
+        for request in reversed(self.waiting):
+            if request is not head and self.kv.num_held(request.request_id):
+                self._preempt(request, requeue=False)
+                return True
+        return False
+
+    def _preempt(self, request: Request, requeue: bool = True) -> None:
+        """Free ``request``'s blocks; it computes its tokens again later.
+        ``requeue``: it was running, and goes to the front of the queue
+        (False: it is queued already, and keeps its place)."""
         self._forget(request)
         if self.spec is not None:
             self.spec.forget(request.request_id)
@@ -334,7 +354,8 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
-        self.waiting.appendleft(request)
+        if requeue:
+            self.waiting.appendleft(request)
 
     def _remove_running(self, request: Request) -> None:
         self.running.remove(request)

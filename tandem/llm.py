@@ -273,6 +273,11 @@ class LLM:
                         if bar is not None:
                             bar.update(1)
         except BaseException:
+            # NOTE: a step cut short (an error, a Ctrl-C in the forward pass)
+            # published blocks to the prefix cache that it never wrote: as the
+            # async engine does, abort what it touched and forget the cache,
+            # or the next prompts read that garbage as their prefix.
+            self.engine.recover_from_failed_step()
             self.engine.abort_request([i for i in ids if i not in done])
             raise
         finally:

@@ -384,3 +384,25 @@ def test_the_models_generation_config_sets_the_defaults(tmp_path):
     bad = _with_generation_config(tmp_path / "bad", temperature=-1)
     with pytest.raises(ValueError, match="generation_config.json: temperature"):
         LLM(bad, **kw)
+
+
+def test_a_generate_interrupted_mid_step_leaves_no_unwritten_prefix():
+    """Ctrl-C in the forward pass: the step had published its blocks to the
+    prefix cache before writing them; the next generate of the same prompt
+    read them as cached (wrong tokens)."""
+    llm = tiny_llm()
+    prompt = {"prompt_token_ids": list(range(3, 43))}
+    want = llm.generate(prompt, greedy(max_tokens=8), use_tqdm=False)[0].outputs[0].token_ids
+    llm.reset_prefix_cache()
+
+    def interrupt(layer: int) -> None:
+        if layer == 0:  # layer 0's KV is written, the others' are not
+            raise KeyboardInterrupt
+
+    llm.engine.runner.model.on_layer_done = interrupt
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompt, greedy(max_tokens=8), use_tqdm=False)
+    llm.engine.runner.model.on_layer_done = None
+    assert_all_free(llm.engine)
+    again = llm.generate(prompt, greedy(max_tokens=8), use_tqdm=False)[0]
+    assert again.outputs[0].token_ids == want and again.num_cached_tokens == 0

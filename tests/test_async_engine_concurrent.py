@@ -1,7 +1,10 @@
-"""``AsyncEngineLoop.run_concurrently``: a call that no forward pass reads
-(a decode worker's reservation) is answered while the engine thread is
-inside a forward pass, instead of after the step; behind queued ops, it
-keeps its place."""
+"""The engine thread and a decode worker's calls into it.
+
+``AsyncEngineLoop.run_concurrently``: a call that no forward pass reads (a
+decode worker's reservation) is answered while the engine thread is inside
+a forward pass, instead of after the step; behind queued ops, it keeps its
+place. The thread never sleeps while queued requests can run, and a
+reservation's open ``max_tokens`` is resolved as a request's."""
 
 from __future__ import annotations
 
@@ -90,3 +93,39 @@ async def test_a_concurrent_call_waits_behind_queued_ops():
 
 async def _collect(outputs):
     return [out async for out in outputs]
+
+
+async def test_a_step_that_preempts_every_running_request_is_not_taken_for_idle():
+    """Requests at the context's limit on a cache of one context: a step
+    preempts all that ran and produces nothing. The engine thread took that
+    for "nothing can run until an op comes" and slept with requests queued;
+    their streams never ended."""
+    model_dir, _ = tiny("llama-gqa")
+    engine = make_engine(model_dir, num_blocks=8, block_size=4)  # 32 tokens in all
+    aengine = AsyncEngineLoop(engine)
+
+    async def one(i: int) -> list[int]:
+        params = SamplingParams(temperature=0, max_tokens=22 - i, ignore_eos=True, n=1 + i % 2)
+        outs = [out async for out in aengine.generate(list(range(3, 13 + i)), params, f"r{i}")]
+        return [len(c.token_ids) for c in outs[-1].outputs]
+
+    lengths = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(6))), 60)
+    assert lengths == [[22 - i] * (1 + i % 2) for i in range(6)]
+    assert_all_free(engine)
+    await aengine.shutdown()
+
+
+def test_a_reservation_without_max_tokens_runs_to_the_end_of_the_context():
+    """``max_tokens=None`` was resolved for the check alone: the first token
+    then compared an int with None."""
+    model_dir, _ = tiny("llama-gqa")
+    engine = make_engine(model_dir, num_blocks=64, block_size=4, max_model_len=24)
+    params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+    assert engine.reserve_remote("r", list(range(3, 13)), params)
+    engine.start_remote("r", 5)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert len(outs[-1].outputs[0].token_ids) == 24 - 10
+    assert outs[-1].outputs[0].finish_reason == "length"
+    assert_all_free(engine)

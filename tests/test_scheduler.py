@@ -274,6 +274,42 @@ def test_remote_kv_reserves_blocks_and_decodes_after_arrival():
     assert_empty(sched)
 
 
+def test_queued_requests_give_up_their_blocks_when_nothing_else_can_run():
+    """A preempted request at the head of the queue needs blocks that a
+    request queued behind it holds (its KV arrived from a prefill worker):
+    with nothing running, the engine stopped for good. Now the one behind
+    gives them up and computes its KV again in its turn."""
+    sched = make_scheduler(num_blocks=8, max_model_len=32)
+    first = make_request("first", 12, max_tokens=18)
+    first.num_computed_tokens = 12
+    assert sched.reserve_remote(first)
+    sched.start_remote("first", 5)
+    for _ in range(8):
+        step(sched)
+    assert sched.kv.num_held("first") == 5
+    second = make_request("second", 12, max_tokens=18)
+    second.num_computed_tokens = 12
+    assert sched.reserve_remote(second)
+    sched.start_remote("second", 6)  # queued, holding its 3 blocks of KV
+    drain(sched)
+    assert first.num_output_tokens == second.num_output_tokens == 18
+    assert second.num_preemptions == 1  # it gave up the KV that had arrived
+    assert_empty(sched)
+
+
+def test_forked_siblings_waiting_with_shared_blocks_do_not_stall_the_queue():
+    """Requests at the context's limit, some n=2, on a cache of exactly one
+    context: forked siblings wait holding shares of their prompt's blocks."""
+    sched = make_scheduler(num_blocks=8, max_model_len=32)
+    requests = [make_request(f"m{i}", 10 + i, max_tokens=22 - i, n=1 + i % 2)
+                for i in range(6)]
+    for r in requests:
+        sched.add_request(r)
+    drain(sched)
+    assert all(r.num_output_tokens == 22 - i for i, r in enumerate(requests))
+    assert_empty(sched)
+
+
 def test_remote_reservation_fails_without_room_and_can_be_aborted():
     sched = make_scheduler(num_blocks=2)
     big = make_request("big", 12)

@@ -145,6 +145,20 @@ def test_min_tokens_past_the_grammar_is_a_dead_end_not_a_stray_token(tiny):
     assert_all_free(tiny)
 
 
+def test_a_dead_end_at_the_first_token_ends_every_one_of_n(tiny):
+    """The grammar allows no first token: the siblings of an n=2 request,
+    not forked yet, end with it (they were left unfinished, and the request
+    never completed)."""
+    [the] = tiny.tokenizer.encode(" the", add_special_tokens=False)[-1:]
+    tiny.add_request("both", PROMPT, SamplingParams(
+        temperature=0, max_tokens=8, n=2, allowed_token_ids=[the],
+        structured_outputs={"regex": "a+"}))
+    out = run_to_completion(tiny)["both"]
+    assert [c.finish_reason for c in out.outputs] == ["grammar_dead_end"] * 2
+    assert not tiny.has_unfinished_requests() and not tiny.output_processor.groups
+    assert_all_free(tiny)
+
+
 @pytest.mark.slow
 def test_smollm2_twenty_schemas_in_one_batch(tmp_path_factory):
     from tandem import LLM

@@ -17,14 +17,20 @@ import dataclasses
 
 from engine.sampling_params import SamplingParams
 
+# Between a request's id and its completion's index in a sequence id. Ids a
+# caller chooses may not contain it (the gateway's gRPC API refuses them), so
+# no request's id is ever another's sequence id.
+SEQUENCE_SEPARATOR = "#"
+
 
 def split_completions(request_id: str,
                       params: SamplingParams) -> list[tuple[str, SamplingParams]]:
-    """``(sequence id, its own params)`` for each completion, in index order."""
+    """``(sequence id, its own params)`` for each completion, in index order:
+    the request's own id when ``n = 1``, else ``{request_id}#{i}``."""
     if params.n == 1:
         return [(request_id, params)]
     return [
-        (f"{request_id}-{i}", dataclasses.replace(
+        (f"{request_id}{SEQUENCE_SEPARATOR}{i}", dataclasses.replace(
             params, n=1, seed=None if params.seed is None else _int64(params.seed + i)))
         for i in range(params.n)
     ]

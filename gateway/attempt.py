@@ -138,7 +138,9 @@ class Attempts:
             await self.records.state(seq, State.DECODING, decode=decode)
         else:
             decode, ticket = await self._reserve(seq, candidates, params)
+            _stop_if_aborted(seq)
             first = await self._prefill(seq, ticket, params, tried, decode)
+            _stop_if_aborted(seq)
             chunk = _first_chunk(seq, first)
             if chunk.finish_reason:
                 # The first token ended the request: no Decode call; the
@@ -308,6 +310,7 @@ class Attempts:
             watch = StallWatch(decode, self.stall_timeout_s, stream)
             async for c in stream:
                 watch.progress()
+                _stop_if_aborted(seq)
                 chunk = Chunk(
                     index=seq.index, token_ids=list(c.token_ids), text=c.text,
                     logprobs=list(c.logprobs), finish_reason=c.finish_reason or None,
@@ -375,6 +378,14 @@ class Attempts:
             logger.info("abort of %s on %s failed: %s", seq.request_id, address, err.code().name)
         finally:
             seq.aborting.discard(address)
+
+
+def _stop_if_aborted(seq: Sequence) -> None:
+    """An Abort call that reached a worker before this attempt's call there
+    found nothing to stop: the attempt stops itself at its next step (the
+    orchestrator then aborts it everywhere and ends it with "abort")."""
+    if seq.aborted:
+        raise AttemptFailed(grpc.StatusCode.CANCELLED, "aborted")
 
 
 def _being_cancelled() -> bool:

@@ -42,8 +42,11 @@ class ApiKeys:
         stamp = (stat.st_mtime_ns, stat.st_size)
         if stamp == self._file_stamp:
             return
-        lines = self._file.read_text().splitlines()
-        self._file_keys = [ln.strip() for ln in lines if ln.strip() and not ln.startswith("#")]
+        # A key a line: its first word (a bearer token has no spaces), so a
+        # comment may follow it; a line whose first word starts with "#",
+        # indented or not, is a comment.
+        words = [ln.split() for ln in self._file.read_text().splitlines()]
+        self._file_keys = [w[0] for w in words if w and not w[0].startswith("#")]
         self._file_stamp = stamp
 
     def _keys(self) -> list[str]:

@@ -7,15 +7,31 @@ generator is closed, and the orchestrator aborts what it started).
 from __future__ import annotations
 
 import dataclasses
+import re
 import uuid
 
 from opentelemetry import context as otel_context
 
+from engine.completions import SEQUENCE_SEPARATOR
 from gateway.service import GatewayService
 from rpc.convert import params_from_proto, set_stop_reason
 from rpc.protos import common_pb2, generation_pb2, generation_pb2_grpc
 
 MAX_REQUEST_ID_CHARS = 256  # ids travel in every worker call, log line and record
+DEFAULT_MAX_TOKENS = 16  # generation.proto: "0 means 16"
+# Printable ASCII without spaces, and never the sequence separator: an id
+# is written into log lines and records, and "job#0" is completion 0 of
+# request "job".
+_REQUEST_ID = re.compile(r"[!-~]+")
+
+
+def check_request_id(request_id: str) -> None:
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise ValueError(f"request_id may have at most {MAX_REQUEST_ID_CHARS} characters, "
+                         f"got {len(request_id)}")
+    if not _REQUEST_ID.fullmatch(request_id) or SEQUENCE_SEPARATOR in request_id:
+        raise ValueError(f"request_id must be printable ASCII without spaces or "
+                         f"{SEQUENCE_SEPARATOR!r}, got {request_id!r}")
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
@@ -36,15 +52,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         else:
             raise ValueError("prompt must not be empty")
         if not request.params.max_tokens:
-            # NOTE: a new, validated object: the default needs the prompt's
-            # length, known only after tokenizing.
-            params = dataclasses.replace(
-                params, max_tokens=min(16, service.default_max_tokens(prompt)))
+            # NOTE: a new, validated object. 16, as the proto says and as
+            # REST's completions: past the context it is refused, not cut.
+            params = dataclasses.replace(params, max_tokens=DEFAULT_MAX_TOKENS)
         service.check_request(prompt, params)
         request_id = request.request_id or f"grpc-{uuid.uuid4().hex}"
-        if len(request_id) > MAX_REQUEST_ID_CHARS:
-            raise ValueError(f"request_id may have at most {MAX_REQUEST_ID_CHARS} characters, "
-                             f"got {len(request_id)}")
+        check_request_id(request_id)
         if request_id in self._owners:
             raise ValueError(f"request id {request_id!r} is already in use")
         self._owners[request_id] = self._caller(context)

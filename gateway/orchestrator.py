@@ -141,11 +141,12 @@ class Orchestrator:
                     raise  # no room (429) or no decode worker at all (503)
                 last_error = StreamFailed(f"cannot continue the request: {err}")
             except AttemptFailed as err:
-                logger.warning("%s attempt %d failed (%s); %s", seq.request_id, seq.attempt,
-                               err, "migrating" if seq.sent else "retrying")
+                if not seq.aborted:
+                    logger.warning("%s attempt %d failed (%s); %s", seq.request_id, seq.attempt,
+                                   err, "migrating" if seq.sent else "retrying")
                 last_error = err
             await self.attempts.abort_everywhere(seq)
-            if not seq.sent and seq.attempt < self.max_attempts:
+            if not seq.sent and not seq.aborted and seq.attempt < self.max_attempts:
                 # A retry on the same workers a moment later, not at once: a
                 # failure that passes (a transfer that found the peer busy)
                 # has time to. A stream that moves does not wait: its client does.
@@ -161,7 +162,7 @@ class Orchestrator:
         seqs = self._active.get(request_id)
         for seq in seqs or ():
             seq.aborted = True
-        # With n > 1 the workers know the sequences ("{id}-{i}"), not the request.
+        # With n > 1 the workers know the sequences ("{id}#{i}"), not the request.
         ids = [s.request_id for s in seqs] if seqs else [request_id]
         addresses = [w.address for w in self.pool.workers.values() if w.healthy]
         await asyncio.gather(*(

@@ -62,7 +62,7 @@ def fork(request_id: str, prompt: list[int], params: SamplingParams,
          trace_ctx: otel_context.Context | None = None) -> list[Sequence]:
     """The sequences of one request, split as the engine splits its own
     (engine/completions.py): itself when ``n = 1``; otherwise ``n``
-    sequences ``{request_id}-{i}`` of ``n = 1`` with seed ``seed + i``."""
+    sequences ``{request_id}#{i}`` of ``n = 1`` with seed ``seed + i``."""
     return [
         Sequence(seq_id, i, prompt, seq_params, record_id=request_id, trace_ctx=trace_ctx)
         for i, (seq_id, seq_params) in enumerate(split_completions(request_id, params))

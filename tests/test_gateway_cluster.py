@@ -160,8 +160,8 @@ def test_n_2_records_each_completion_and_the_total(client, url):
     assert all(w.get("attempt", "0") == "0" for w in writes)
     # ...and each completion has its own record, fenced on its own attempts.
     for i in range(2):
-        own = monitor.writes(f"{out.id}-{i}")
-        assert monitor.states(f"{out.id}-{i}") == ["QUEUED", "PREFILLING", "DECODING", "FINISHED"]
+        own = monitor.writes(f"{out.id}#{i}")
+        assert monitor.states(f"{out.id}#{i}") == ["QUEUED", "PREFILLING", "DECODING", "FINISHED"]
         assert own[0]["parent"] == out.id and own[0]["index"] == str(i)
         assert own[-1]["tokens_sent"] == "4" and own[-1]["attempt"] == "1"
 
@@ -243,7 +243,7 @@ async def test_one_completions_retry_does_not_silence_the_other(store):
 
     rid = f"n2-{random.randrange(1 << 30)}"
     records = RequestRecords(store)
-    seqs = [Sequence(f"{rid}-{i}", i, [1, 2, 3], SamplingParams(), record_id=rid)
+    seqs = [Sequence(f"{rid}#{i}", i, [1, 2, 3], SamplingParams(), record_id=rid)
             for i in range(2)]
     await store.create(rid, {"n": 2})
     for s in seqs:
@@ -253,8 +253,8 @@ async def test_one_completions_retry_does_not_silence_the_other(store):
     await records.state(seqs[1], State.DECODING)
     seqs[1].sent = [7, 8]
     await records.state(seqs[1], State.DECODING)  # progress of the slower completion
-    assert (await store.get(f"{rid}-1"))["tokens_sent"] == "2"
-    assert (await store.get(f"{rid}-0"))["attempt"] == "2"
+    assert (await store.get(f"{rid}#1"))["tokens_sent"] == "2"
+    assert (await store.get(f"{rid}#0"))["attempt"] == "2"
     seqs[0].sent = [5]
     await records.close(rid, seqs, State.FINISHED)
     summary = await store.get(rid)

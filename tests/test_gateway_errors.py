@@ -423,6 +423,10 @@ def test_keys_rotate_from_a_file_without_a_restart(cluster, workers, tmp_path):
             assert (status("first-key"), status("second-key")) == (200, 401)
             keys.write_text("second-key\n")
             assert (status("first-key"), status("second-key")) == (401, 200)
+            # Comments, indented or after a key, are never keys themselves.
+            keys.write_text("  # revoked: old-key\nthird-key   # carol's\n")
+            assert status("third-key") == 200
+            assert status("# revoked: old-key") == status("third-key # carol's") == 401
     finally:
         gateway.proc.terminate()
 

@@ -265,3 +265,60 @@ def test_reflection_lists_generation(gateway):
         replies = list(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(
             file_containing_symbol=SERVICE)]), timeout=10))
         assert replies[0].file_descriptor_response.file_descriptor_proto
+
+
+def test_request_ids_that_could_pass_for_another_or_forge_a_log_line_are_refused(stub):
+    for bad in ("job#0", "line\nFAKE LOG LINE", "with space", "caf\u00e9"):
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(generation_pb2.GenerateRequest(
+                request_id=bad, text=PROMPT, params=greedy(2)), timeout=30))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, bad
+        assert "request_id must be printable ASCII" in err.value.details()
+
+
+def test_a_request_named_like_anothers_completion_runs_beside_it(stub, workers):
+    """Completion 0 of "pair" runs on the workers as "pair#0": "pair-0", a
+    request of its own, no longer meets it there (one of the two was refused
+    as "already in use", and the refusal's cleanup aborted the other)."""
+    both = stub.Generate(generation_pb2.GenerateRequest(
+        request_id="pair", text=PROMPT, params=greedy(40, n=2)), timeout=60)
+    other = list(stub.Generate(generation_pb2.GenerateRequest(
+        request_id="pair-0", text=PROMPT, params=greedy(8)), timeout=60))
+    replies = list(both)
+    assert other[-1].finish_reason == "length"
+    assert sorted(r.finish_reason for r in replies if r.finish_reason) == ["length", "length"]
+    assert [sum(len(r.token_ids) for r in replies if r.index == i) for i in (0, 1)] == [40, 40]
+    wait_blocks_free(workers)
+
+
+def test_an_abort_that_finds_the_request_ends_it(stub, workers):
+    """Abort answered found=True, but had reached the workers before the
+    request's calls there: the request ran on to its length."""
+    for i in range(20):
+        request_id = f"abort-race-{i}"
+        call = stub.Generate(generation_pb2.GenerateRequest(
+            request_id=request_id, text=PROMPT, params=greedy(400)), timeout=60)
+        while not stub.Abort(generation_pb2.GenerateAbortRequest(request_id=request_id),
+                             timeout=10).found:
+            pass
+        replies = list(call)
+        assert replies[-1].finish_reason == "abort", (i, replies[-1].finish_reason)
+        assert sum(len(r.token_ids) for r in replies) < 400
+    wait_blocks_free(workers)
+
+
+def test_max_tokens_left_unset_is_16_and_never_cut_to_fit(stub, http):
+    long = [5] * (tiny_model_context(http) - 10)  # room for 10 tokens, not 16
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(generation_pb2.GenerateRequest(
+            token_ids=generation_pb2.TokenIds(ids=long), params=common_pb2.SamplingParams()),
+            timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "maximum context length" in err.value.details()
+    replies = list(stub.Generate(generation_pb2.GenerateRequest(
+        text=PROMPT, params=common_pb2.SamplingParams(ignore_eos=True)), timeout=30))
+    assert sum(len(r.token_ids) for r in replies) == 16
+
+
+def tiny_model_context(http) -> int:
+    return http.get("/v1/models").json()["data"][0]["max_model_len"]

@@ -267,14 +267,14 @@ def test_completion_i_of_n_is_the_request_with_seed_plus_i(engine):
 
     seqs = fork("r", PROMPT, sampled(n=3, seed=7))
     assert [(s.request_id, s.params.seed, s.params.n) for s in seqs] == [
-        ("r-0", 7, 1), ("r-1", 8, 1), ("r-2", 9, 1)]
+        ("r#0", 7, 1), ("r#1", 8, 1), ("r#2", 9, 1)]
 
 
 def test_n_completions_share_the_prompt_blocks(engine):
     engine.add_request("r", PROMPT, greedy(n=3))  # 20 tokens: 5 blocks of 4
     engine.step()  # the prompt; the children fork from it
     engine.step()
-    tables = [engine.kv_progress(seq_id).block_ids for seq_id in ("r-0", "r-1", "r-2")]
+    tables = [engine.kv_progress(seq_id).block_ids for seq_id in ("r#0", "r#1", "r#2")]
     assert tables[0][:4] == tables[1][:4] == tables[2][:4]  # blocks 0-3 shared
     assert len({t[4] for t in tables}) == 3  # the last prompt block is each one's own
     stats = engine.stats()  # each shared block is held once

@@ -122,6 +122,7 @@ class Attempts:
                                  f"largest decode worker's holds {largest}")
             raise Overloaded("no decode worker has room for the request")
         params = params_to_proto(seq.params)
+        prefill_cached = 0  # prompt tokens the prefill worker found in its cache
         local = self.pool.colocated or bool(seq.sent) or not self._decide(seq, candidates,
                                                                           tried).remote
         if local:
@@ -158,7 +159,8 @@ class Attempts:
                 first_logprobs=first.first_logprobs if first.HasField("first_logprobs")
                 else None, params=params, attempt=seq.attempt, first_token_sent=True,
             )
-        async for chunk in self._decode(seq, decode, request, tried):
+            prefill_cached = first.num_cached_tokens
+        async for chunk in self._decode(seq, decode, request, tried, prefill_cached):
             yield chunk
 
     def _decide(self, seq: Sequence, candidates: list[WorkerView], tried: set[str]) -> Decision:
@@ -293,7 +295,9 @@ class Attempts:
 
     async def _decode(self, seq: Sequence, decode: WorkerView,
                       request: worker_pb2.DecodeRequest, tried: set[str],
-                      ) -> AsyncIterator[Chunk]:
+                      prefill_cached: int = 0) -> AsyncIterator[Chunk]:
+        """``prefill_cached``: the prompt's cached tokens where it was computed
+        (a prefill worker), which the decode worker, given the KV, cannot know."""
         tried.add(decode.address)
         seq.holders.add(decode.address)
         decode.inflight += 1
@@ -315,7 +319,7 @@ class Attempts:
                     index=seq.index, token_ids=list(c.token_ids), text=c.text,
                     logprobs=list(c.logprobs), finish_reason=c.finish_reason or None,
                     stop_reason=stop_reason_from_proto(c), prompt_tokens=c.usage.prompt_tokens,
-                    cached_tokens=c.usage.cached_tokens,
+                    cached_tokens=max(c.usage.cached_tokens, prefill_cached),
                     # On the completion's first chunk only (a migrated request's
                     # worker computes them again).
                     prompt_logprobs=[] if seq.sent else list(c.prompt_logprobs),
@@ -400,7 +404,6 @@ def _first_chunk(seq: Sequence, first: worker_pb2.PrefillResponse) -> Chunk:
         index=seq.index, token_ids=[first.first_token_id], text=first.text,
         logprobs=[first.first_logprobs] if first.HasField("first_logprobs") else [],
         finish_reason=first.finish_reason or None, stop_reason=stop_reason_from_proto(first),
-        # NOTE: as the decode worker reports a prompt it did not compute.
-        prompt_tokens=len(seq.prompt), cached_tokens=0,
+        prompt_tokens=len(seq.prompt), cached_tokens=first.num_cached_tokens,
         prompt_logprobs=list(first.prompt_logprobs),
     )

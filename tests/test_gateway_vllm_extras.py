@@ -305,3 +305,14 @@ def test_the_models_generation_config_fills_what_a_request_leaves_unset(cluster,
     assert chat(defaulted, max_tokens=6)[1] == 6  # what a request sends wins
     plain = start_gateway(cluster, workers, "--generation-config", "vllm", model=model)
     assert chat(plain)[1] > 4  # the context's room, not the file's
+
+
+def test_a_prompt_cached_on_the_prefill_worker_is_reported_cached(client):
+    """Disaggregated, the prefill worker computes the prompt: its prefix
+    cache hit is the usage's cached_tokens (it was always 0)."""
+    prompt = " ".join(["the quick brown fox jumps over the lazy dog"] * 8)
+    usages = [client.completions.create(model=SERVED, prompt=prompt, max_tokens=4,
+                                        **GREEDY).usage for _ in range(2)]
+    assert usages[0].prompt_tokens_details.cached_tokens == 0
+    cached = usages[1].prompt_tokens_details.cached_tokens
+    assert 0 < cached < usages[1].prompt_tokens

@@ -177,3 +177,17 @@ def test_smollm2_twenty_schemas_in_one_batch(tmp_path_factory):
         assert done.finish_reason == "stop", (what, done.text)
         jsonschema.validate(json.loads(done.text), schema)
     assert_all_free(llm.engine)
+
+
+@pytest.mark.parametrize("choice", ["yes", {"yes": 1, "no": 0}, 5, ["a", 5], []])
+def test_a_choice_that_is_not_a_list_of_strings_is_refused(choice):
+    """A string was taken apart into its characters, a mapping into its keys;
+    a number was a TypeError (INTERNAL over gRPC)."""
+    with pytest.raises(ValueError, match="structured_outputs.choice must be"):
+        StructuredOutputsParams(choice=choice)
+
+
+@pytest.mark.parametrize("wire", ['"yes"', "5", "yes|no", "[" * 50_000])
+def test_a_choice_off_the_wire_that_is_not_a_list_is_refused(wire):
+    with pytest.raises(ValueError, match="structured_outputs.choice"):
+        StructuredOutputsParams.from_wire("choice", wire)

@@ -44,6 +44,10 @@ class StructuredOutputsParams:
 
     def __post_init__(self) -> None:
         if self.choice is not None:
+            # A string or a mapping is iterable too, but not a list of choices.
+            if isinstance(self.choice, str | bytes | dict) or not hasattr(self.choice, "__iter__"):
+                raise ValueError("structured_outputs.choice must be a non-empty list of "
+                                 f"non-empty strings, got {self.choice!r:.80}")
             self.choice = list(self.choice)
         given = [k for k in _KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
@@ -86,7 +90,14 @@ class StructuredOutputsParams:
         if kind == "json_object":
             return cls(json_object=True)
         if kind == "choice":
-            return cls(choice=jsonlib.loads(value))
+            try:
+                choice = jsonlib.loads(value)
+            except ValueError:
+                raise ValueError("structured_outputs.choice must be a JSON list of "
+                                 "strings") from None
+            except RecursionError:
+                raise ValueError("structured_outputs.choice is nested too deep") from None
+            return cls(choice=choice)
         return cls(**{kind: value})
 
 

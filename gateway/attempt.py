@@ -401,7 +401,9 @@ def _first_chunk(seq: Sequence, first: worker_pb2.PrefillResponse) -> Chunk:
     """The completion's first chunk, from the prefill worker's reply: what
     the decode worker's stream would have started with."""
     return Chunk(
-        index=seq.index, token_ids=[first.first_token_id], text=first.text,
+        index=seq.index, text=first.text,
+        # None: the grammar allowed no first token (it finished the request).
+        token_ids=[first.first_token_id] if first.HasField("first_token_id") else [],
         logprobs=[first.first_logprobs] if first.HasField("first_logprobs") else [],
         finish_reason=first.finish_reason or None, stop_reason=stop_reason_from_proto(first),
         prompt_tokens=len(seq.prompt), cached_tokens=first.num_cached_tokens,

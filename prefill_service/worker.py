@@ -175,9 +175,12 @@ class PrefillWorker(WorkerBase):
             computed = True
             compute_end = time.perf_counter()
             comp = final.outputs[0]
-            if not comp.token_ids:  # structured outputs: the grammar allowed no first token
-                raise ValueError(f"request {request_id!r}: its grammar allows no first token "
-                                 f"(finish_reason {comp.finish_reason})")
+            if not comp.token_ids:
+                # Structured outputs: the grammar allowed no first token. The
+                # request ends here (no KV is needed: the transfer stops).
+                return worker_pb2.PrefillResponse(
+                    num_cached_tokens=final.num_cached_tokens,
+                    finish_reason=comp.finish_reason or "grammar_dead_end")
             first_token = comp.token_ids[0]
             if transfer is None:
                 done = self._finished_blocks(request_id)

@@ -31,6 +31,7 @@ from gateway_fixtures import (
 )
 
 from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
 
 DB = 3
 NUM_BLOCKS = 96
@@ -256,3 +257,20 @@ def test_grpc_generate_takes_the_constraint(gateway, offline):
                                  temperature=0)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "structured_outputs.regex" in err.value.details()
+
+
+def test_a_grammar_that_allows_no_first_token_ends_alike_on_either_cluster(gateway, colocated,
+                                                                          workers):
+    """Disaggregated, the prefill worker refused it (a 400); on one worker it
+    finished with grammar_dead_end. Now both finish so, and free the KV."""
+    tokenizer = Tokenizer(tiny_model())
+    [the] = tokenizer.encode(" the", add_special_tokens=False)[-1:]
+    body = {"model": SERVED, "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+            "guided_regex": "a+", "allowed_token_ids": [the]}
+    for gw in (gateway, colocated):
+        with gw.http() as http:
+            response = http.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        choice = response.json()["choices"][0]
+        assert (choice["text"], choice["finish_reason"]) == ("", "grammar_dead_end")
+    wait_blocks_free([w for w in workers if w.proc.popen.poll() is None])  # one was killed

@@ -191,3 +191,25 @@ def test_a_choice_that_is_not_a_list_of_strings_is_refused(choice):
 def test_a_choice_off_the_wire_that_is_not_a_list_is_refused(wire):
     with pytest.raises(ValueError, match="structured_outputs.choice"):
         StructuredOutputsParams.from_wire("choice", wire)
+
+
+def test_an_object_holds_only_the_properties_its_schema_lists(tiny):
+    """JSON Schema lets objects carry keys it does not list; a model held to
+    a schema gets none (as vLLM's default backend and OpenAI's strict mode):
+    ``{"name": ..., "age": ..., "city": ...}`` passed a schema of two keys."""
+    from engine.structured_output.params import _closed
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    for temperature in (0.0, 1.0):
+        tiny.add_request("obj", PROMPT, SamplingParams(
+            temperature=temperature, seed=3, max_tokens=40, structured_outputs={"json": schema}))
+        text = run_to_completion(tiny)["obj"].outputs[0].text
+        assert list(json.loads(text)) == ["n"]
+    # Said otherwise, and parts of an allOf, stay open; data is left alone.
+    assert _closed({"properties": {"a": {}}, "additionalProperties": True}) == {
+        "properties": {"a": {}}, "additionalProperties": True}
+    assert _closed({"allOf": [{"properties": {"a": {}}}]}) == {"allOf": [{"properties": {"a": {}}}]}
+    assert _closed({"properties": {"properties": {"enum": [{"properties": {}}]}}}) == {
+        "properties": {"properties": {"enum": [{"properties": {}}]}},
+        "additionalProperties": False}
+    assert_all_free(tiny)

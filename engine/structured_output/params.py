@@ -183,7 +183,36 @@ def _schema(value: Any, where: str) -> dict[str, Any]:
         raise ValueError(too_deep)
     if not isinstance(value, dict):
         raise ValueError(f"{where} must be a JSON Schema object")
-    return value
+    return _closed(value)
+
+
+def _closed(schema: Any, close: bool = True) -> Any:
+    """``schema`` (a copy) with every object that lists its properties
+    closed to others unless it says otherwise: JSON Schema allows extra keys
+    by default, but a model held to a schema should write the listed ones
+    (vLLM's default backend, xgrammar, does the same; so does OpenAI's strict
+    mode). An object with no ``properties`` stays open, and so do the parts
+    of an ``allOf`` (``close``): each lists only some of the properties."""
+    if isinstance(schema, list):
+        return [_closed(v, close) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):  # name -> schema
+            out[key] = {name: _closed(sub) for name, sub in value.items()}
+        elif key in _VALUES:  # data, not schemas
+            out[key] = value
+        else:
+            out[key] = _closed(value, key != "allOf")
+    if close and isinstance(out.get("properties"), dict) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+# Schema keywords whose value maps names to schemas, and those that hold data.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_VALUES = ("enum", "const", "default", "examples")
 
 
 def _depth_over(value: Any, limit: int) -> bool:

@@ -26,6 +26,19 @@ from engine.sampling_params import SamplingParams
 from engine.tokenizer import ChatOptions, content_text
 from gateway.tools import template_call
 
+# vLLM's keywords that change nothing here, with the values whose meaning
+# Tandem serves as vLLM would (None: any value): code written for vLLM runs.
+# Preemption recomputes (no swap space), prompts are always chunked, the
+# model's directory holds its tokenizer, one process group runs it.
+_VLLM_NO_OPS: dict[str, tuple | None] = {
+    "swap_space": None, "max_seq_len_to_capture": None, "compilation_config": None,
+    "disable_custom_all_reduce": None, "enable_chunked_prefill": (None, True),
+    "tokenizer_mode": ("auto",), "revision": (None,), "tokenizer_revision": (None,),
+    "download_dir": (None,), "distributed_executor_backend": (None, "mp"),
+    "pipeline_parallel_size": (1,), "enable_lora": (False,), "skip_tokenizer_init": (False,),
+    "task": ("auto", "generate"), "hf_overrides": (None,),
+}
+
 # vLLM's other names for dtypes.
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 
@@ -112,6 +125,11 @@ class LLM:
         if tokenizer is not None and tokenizer != model:
             raise ValueError("a tokenizer apart from the model is not supported: the model's "
                              "directory must hold its tokenizer.json")
+        for name in set(kwargs) & set(_VLLM_NO_OPS):
+            value, served = kwargs.pop(name), _VLLM_NO_OPS[name]
+            if served is not None and value not in served:
+                raise ValueError(f"{name}={value!r} is not supported; Tandem serves "
+                                 f"{' or '.join(map(repr, served))}")
         unknown = sorted(set(kwargs) - set(inspect.signature(engine_config).parameters))
         if unknown:
             raise TypeError(f"LLM() got unexpected keyword arguments: {', '.join(unknown)}")

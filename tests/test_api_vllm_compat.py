@@ -406,3 +406,18 @@ def test_a_generate_interrupted_mid_step_leaves_no_unwritten_prefix():
     assert_all_free(llm.engine)
     again = llm.generate(prompt, greedy(max_tokens=8), use_tqdm=False)[0]
     assert again.outputs[0].token_ids == want and again.num_cached_tokens == 0
+
+
+def test_vllms_keywords_that_change_nothing_here_are_taken():
+    llm = LLM(str(tiny_with_tokenizer()), dtype="float32", block_size=4, num_blocks=32,
+              max_model_len=64, swap_space=4, enable_chunked_prefill=True, tokenizer_mode="auto",
+              revision=None, download_dir=None, max_seq_len_to_capture=8192,
+              distributed_executor_backend="mp", pipeline_parallel_size=1, enable_lora=False,
+              skip_tokenizer_init=False, task="generate", hf_overrides=None,
+              compilation_config=3, disable_custom_all_reduce=True)
+    assert llm.generate(PROMPT, greedy(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+    for bad in ({"enable_lora": True}, {"pipeline_parallel_size": 2}, {"revision": "v2"}):
+        with pytest.raises(ValueError, match="is not supported"):
+            LLM(str(tiny_with_tokenizer()), **bad)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        LLM(str(tiny_with_tokenizer()), no_such_option=1)

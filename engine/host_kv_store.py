@@ -50,6 +50,9 @@ def host_tier(gib: float, runner, num_layers: int, tp_size: int) -> HostKVTier |
         return None
     block_bytes = runner.block_bytes * tp_size
     slots = int(gib * 2**30) // block_bytes
+    if slots < 1:
+        raise ValueError(f"host_kv_cache_gib={gib} holds no KV block: one takes "
+                         f"{block_bytes} bytes ({block_bytes / 2**30:.2g} GiB)")
     store = HostKVStore(runner.kv_blocks, num_layers, max(slots, 1))
     logger.info("host KV tier: %d blocks (%.2f GiB)", slots, slots * block_bytes / 2**30)
     return HostKVTier(slots, block_bytes, store.copy_out, store.copy_in)

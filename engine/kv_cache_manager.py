@@ -89,6 +89,11 @@ class KVCacheManager:
         self.pool.touch(hits)  # so that allocate() cannot hand one of them out
         try:
             (block,) = self.pool.allocate(1)
+            if not tier.contains(block_hash, preimage):
+                # Making room evicted a device block into the tier, which
+                # pushed this one out (a tier of a single slot): a miss.
+                self.pool.free([block])
+                return None
             tier.restore(block_hash, block.block_id)
             self.pool.cache(block, block_hash, preimage)
             self.pool.free([block])

@@ -76,6 +76,8 @@ def test_bad_settings_are_refused():
         CacheConfig(host_kv_cache_gib=-1.0)
     with pytest.raises(ValueError, match="more than half of this machine"):
         LLM(str(tiny("llama-gqa")[0]), num_blocks=8, host_kv_cache_gib=1 << 20)
+    with pytest.raises(ValueError, match="host_kv_cache_gib=1e-09 holds no KV block"):
+        LLM(str(tiny("llama-gqa")[0]), num_blocks=8, host_kv_cache_gib=1e-9)
 
 
 def test_a_preempted_request_resumes_from_the_host_tier_with_the_same_tokens():
@@ -91,4 +93,26 @@ def test_a_preempted_request_resumes_from_the_host_tier_with_the_same_tokens():
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want
     assert llm.engine.stats().host_tier_restored_blocks > 0
+    assert_all_free(llm.engine)
+
+
+def test_a_tier_of_one_block_never_loses_the_block_it_restores():
+    """Making room on the device for a restored block evicted another into
+    the tier, which pushed out the one being restored (a single slot): a
+    KeyError in the scheduler, and a device block never freed."""
+    model = str(tiny("llama-gqa")[0])
+    rng = random.Random(8)
+    shared = prompt(81, 28)
+    prompts = [shared[: rng.choice([8, 12, 20, 28])] + prompt(90 + i, rng.randrange(1, 8))
+               for i in range(14)]
+    params = [SamplingParams(temperature=0, max_tokens=rng.randrange(3, 20), ignore_eos=True)
+              for _ in prompts]
+    roomy = LLM(model, dtype="float32", block_size=4, num_blocks=256, max_model_len=64)
+    want = [o.outputs[0].token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
+    one_block = roomy.engine.runner.block_bytes / 2**30
+    llm = LLM(model, dtype="float32", block_size=4, num_blocks=18, max_model_len=64,
+              host_kv_cache_gib=one_block)
+    assert llm.engine.kv.host_tier.num_slots == 1
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
     assert_all_free(llm.engine)

@@ -94,14 +94,15 @@ class Tokenizer:
     def __len__(self) -> int:
         return self.vocab_size
 
-    def __call__(self, text: str | list[str], add_special_tokens: bool = True) -> dict:
-        """``{"input_ids": ..., "attention_mask": ...}`` of a text or a list of them."""
+    def __call__(self, text: str | list[str], add_special_tokens: bool = True) -> Encoding:
+        """``{"input_ids": ..., "attention_mask": ...}`` of a text or a list of
+        them, also as attributes (``tok(text).input_ids``, as Hugging Face's)."""
         if isinstance(text, str):
             ids = self.encode(text, add_special_tokens)
-            return {"input_ids": ids, "attention_mask": [1] * len(ids)}
+            return Encoding(input_ids=ids, attention_mask=[1] * len(ids))
         ids = [e.ids for e in self._tok.encode_batch(list(text),
                                                      add_special_tokens=add_special_tokens)]
-        return {"input_ids": ids, "attention_mask": [[1] * len(i) for i in ids]}
+        return Encoding(input_ids=ids, attention_mask=[[1] * len(i) for i in ids])
 
     def convert_ids_to_tokens(self, ids: int | list[int]) -> str | None | list[str | None]:
         return self.id_to_token(ids) if isinstance(ids, int) else [self.id_to_token(i) for i in ids]
@@ -119,13 +120,16 @@ class Tokenizer:
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
         template: str | None = None, continue_final_message: bool = False,
-        tokenize: bool = False, **extra: Any
+        tokenize: bool = False, chat_template: str | None = None, **extra: Any
     ) -> str | list[int]:
         """The conversation rendered by the model's chat template (or
-        ``template``); ``extra``: more variables for the template.
+        ``template``, or Hugging Face's name for it, ``chat_template``: it
+        was taken for a template variable and ignored); ``extra``: more
+        variables for the template.
         ``continue_final_message``: the text ends where the last message's
         content does, so that the model goes on with it. ``tokenize``: its
         token ids instead (NOTE: text by default, unlike Hugging Face's)."""
+        template = template or chat_template
         if not (template or self.chat_template):
             raise ValueError("this model has no chat template; send a plain prompt instead")
         _check_messages(messages)
@@ -143,6 +147,16 @@ class Tokenizer:
         if self._template is None:
             self._template = _compile(self.chat_template)
         return self._template
+
+
+class Encoding(dict):
+    """What calling a tokenizer returns: a dict whose keys are attributes too."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -220,6 +220,10 @@ def test_the_tokenizer_answers_hugging_faces_common_calls(llm):
     assert text == "<s>user: hello\n<s>assistant:"  # `tokenize` is not a template variable
     assert tok.apply_chat_template(messages, tokenize=True) == tok.encode(
         text, add_special_tokens=False)
+    assert tok(PROMPT).input_ids == ids  # attributes too, as Hugging Face's
+    # Hugging Face's name for another template: it was taken for a variable.
+    assert tok.apply_chat_template(messages, chat_template="{{ messages[0].content }}!") \
+        == "hello!"
 
 
 def test_logit_bias_allowed_token_ids_and_bad_words(llm):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import weakref
 from collections.abc import Callable, Sequence
 
 from engine.completions import split_completions
@@ -62,6 +63,10 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(resolved, self.tokenizer)
         self.max_model_len = resolved.max_model_len
         self.runner = ModelRunner(config, self.model_config, self.model_dir, self.max_model_len)
+        # An engine dropped without shutdown() (``del llm``) still stops its
+        # follower ranks and leaves the process group, so the next engine
+        # with tensor parallelism in this process can form one.
+        weakref.finalize(self, self.runner.shutdown)
         cache = config.cache
         cache_tokens = self.runner.num_blocks * cache.block_size
         if cache_tokens < self.max_model_len:  # a longer sequence could never be held

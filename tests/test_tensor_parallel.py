@@ -88,6 +88,23 @@ def test_shutdown_stops_the_follower_ranks(models):
     assert not procs[0].is_alive() and procs[0].exitcode == 0
 
 
+def test_an_llm_dropped_without_shutdown_lets_the_next_one_form_its_group(models):
+    """``del llm`` left rank 0 in its process group: the next LLM with
+    tensor parallelism in the process failed ("initialize the default
+    process group twice")."""
+    import gc
+
+    llm = LLM(models["llama-gqa"], dtype="float32", num_blocks=16, tensor_parallel_size=2)
+    (proc,) = llm.engine.runner.followers.procs
+    del llm
+    gc.collect()
+    proc.join(30)
+    assert not proc.is_alive()
+    again = LLM(models["llama-gqa"], dtype="float32", num_blocks=16, tensor_parallel_size=2)
+    assert again.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
+    again.engine.shutdown()
+
+
 def test_async_engine_shutdown_stops_the_followers(models):
     async def main():
         engine = AsyncEngine(models["llama-gqa"], num_blocks=16, tensor_parallel_size=2)

@@ -308,11 +308,9 @@ class AsyncEngineLoop:
                 self._post(self._fail_streams, aborted, failed, self._ops_run)
                 continue
             self._post(self._dispatch, outputs, self._ops_run)
-            # NOTE: requests wait but the scheduler ran none (their blocks are
-            # held, e.g. by a decode worker's reservations): only an op can
-            # change that. Wait for one instead of spinning a core on empty
-            # steps. (Not "no outputs and none running": a step that preempted
-            # every running request has neither, and the next one runs them.)
+            # NOTE: the scheduler ran nothing (blocks held by reservations): only
+            # an op can change that, so wait for one. Not "no outputs, none
+            # running": a step that preempted all that ran has neither.
             until_op = not ops and self.engine.num_steps == steps
 
     def _fail_streams(self, aborted: list[str], failed: Exception, stamp: int) -> None:

@@ -13,6 +13,8 @@ What a request's blocks go through, by caller::
     decode      reserve_remote (blocks to write into) -> start_remote
                 (the KV landed) -> step ... -> finished: freed
     any         abort_request: freed at once, whatever the state
+
+(The prefill and decode rows' own calls are engine/kv_handoff.py's.)
 """
 
 from __future__ import annotations
@@ -27,10 +29,11 @@ from engine.completions import split_completions
 from engine.config import EngineConfig
 from engine.host_kv_store import host_tier
 from engine.kv_cache_manager import KVCacheManager
-from engine.layer_streams import LayerKVSink, LayerStreams
+from engine.kv_handoff import KVHandoff
+from engine.layer_streams import LayerStreams
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
-from engine.outputs import EngineStats, KVProgress, RequestOutput
+from engine.outputs import EngineStats, RequestOutput
 from engine.prompts import Prompt, bad_word_ids, tokenize, with_max_tokens
 from engine.request import Request, RequestStatus
 from engine.request_checks import check_request
@@ -44,7 +47,7 @@ from engine.tokenizer import Tokenizer
 logger = logging.getLogger("engine")
 
 
-class LLMEngine:
+class LLMEngine(KVHandoff):
     def __init__(self, config: EngineConfig) -> None:
         if config.node_rank != 0:
             raise ValueError(
@@ -133,93 +136,6 @@ class LLMEngine:
         if output_token_ids:
             self.output_processor.skip_sent(request_id, len(output_token_ids))
         self.scheduler.add_request(first)
-
-    def reserve_remote(self, request_id: str, token_ids: Sequence[int],
-                       params: SamplingParams) -> list[int] | None:
-        """Reserve blocks for a one-sequence request whose prompt KV is
-        computed elsewhere and written into them from outside.
-
-        Returns the ids of the blocks to write, in token order, or None
-        (nothing changed) when the cache has no room. The blocks are not in
-        the prefix cache and no step touches them until ``start_remote``;
-        ``abort_request`` frees them.
-        """
-        token_ids = list(token_ids)
-        params = with_max_tokens(params, len(token_ids), self.max_model_len)
-        self.validate(token_ids, params)
-        if params.n != 1:
-            raise ValueError("a reservation is for one sequence (n=1)")
-        (request,) = self._new_sequences(request_id, token_ids, params)
-        if not self.scheduler.reserve_remote(request):
-            return None
-        self.output_processor.add(request_id, None, [request])
-        return self.kv.block_ids(request_id)
-
-    def start_remote(self, request_id: str, first_token: int,
-                     first_logprobs: dict[int, float] | None = None, *,
-                     first_token_sent: bool = False) -> list[RequestOutput]:
-        """The reserved blocks of ``request_id`` hold its prompt's KV now, and
-        the prefill side sampled ``first_token``: publish the blocks to the
-        prefix cache and queue the request for decoding (or finish it, if
-        that token ended it). Returns the output carrying the first token.
-        KeyError if the request holds no reservation.
-
-        ``first_token_sent``: the caller already sent ``first_token`` (and
-        its text) to the client: it is not output again, as for a migrated
-        request's ``output_token_ids``. The returned output then carries no
-        new token, and text the token left held back comes out, once, with
-        a later one."""
-        request = self.scheduler.remote.get(request_id)
-        if request is None:
-            raise KeyError(request_id)
-        if first_logprobs is not None and request.params.logprobs is not None:
-            request.logprobs.append(first_logprobs)
-        request.first_token_time = time.monotonic()
-        self.scheduler.start_remote(request_id, first_token)
-        if first_token_sent:
-            self.output_processor.skip_sent(request_id, 1)
-        return self._process([request])
-
-    def stream_layers(self, request_id: str, sink: LayerKVSink) -> None:
-        """Tell ``sink`` (engine/layer_streams.py) layer by layer, on the
-        engine thread and inside each step, which blocks of the prompt of
-        ``request_id`` hold final KV, so that a transport can move layer
-        ``i`` while layer ``i + 1`` computes. Call it right after
-        ``add_request``, before the request's first step (in the same
-        engine-thread call); the sink is dropped when the request finishes
-        or is aborted. The blocks stay the request's to read only while it
-        runs or holds them (``hold_blocks``); a sink that reads them later
-        must finish before ``release``. KeyError if the request is unknown."""
-        if request_id not in self.scheduler.requests:
-            raise KeyError(request_id)
-        self.layer_streams.add(request_id, sink)
-
-    def kv_progress(self, request_id: str) -> KVProgress | None:
-        """How far the KV of a request that runs here has got: its block
-        ids, how many of them are fully computed, and whether it finished.
-        None once it is gone or was aborted. The ids are safe to read until
-        the next step (or, for a finished ``hold_blocks`` request, until it
-        is released)."""
-        request = self.scheduler.requests.get(request_id)
-        if request is None or request.status is RequestStatus.FINISHED_ABORTED:
-            return None
-        block_ids = self.kv.block_ids(request_id)
-        done = len(block_ids) if request.finished else \
-            request.num_computed_tokens // self.kv.block_size
-        return KVProgress(block_ids, done, request.finished)
-
-    def release(self, request_id: str) -> None:
-        """Done with a request's blocks, whatever its state: a finished
-        request that held them frees them; one that still runs is aborted.
-        Unknown ids are ignored."""
-        request = self.scheduler.requests.get(request_id)
-        if request is None:
-            return
-        self.layer_streams.drop(request_id)
-        if request.finished:
-            self.scheduler.release_held(request_id)
-        else:
-            self.abort_request(request_id)
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self.scheduler.requests

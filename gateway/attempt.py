@@ -11,13 +11,8 @@ colocated cluster, a migration (tokens already sent), or a prompt the
 disaggregation policy keeps local (gateway/disagg_policy.py) skips the
 first line: the decode worker runs the whole request.
 
-A failed call to a worker leaves here as one of two things, decided in
-``_worker_failure`` and nowhere else: ``AttemptFailed`` when another worker
-may succeed (the orchestrator retries or migrates), or the client's own
-error (``ValueError`` for INVALID_ARGUMENT, ...) when none would. A failed
-KV handoff (a Prefill call ending with one of pair_health's
-HANDOFF_FAILURES) is another pair's chance: it counts against the pair, and
-the retry prefers other workers.
+A failed call to a worker leaves as gateway/attempt_failure.py decides:
+``AttemptFailed`` (retry or migrate) or the client's own error.
 """
 
 from __future__ import annotations
@@ -29,6 +24,12 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from gateway.attempt_failure import (
+    AttemptFailed,
+    NoWorkerAvailable,
+    stop_if_aborted,
+    worker_failure,
+)
 from gateway.decode_mux import MuxedDecode
 from gateway.disagg_policy import Decision, DisaggPolicy
 from gateway.pair_health import HANDOFF_FAILURES
@@ -38,20 +39,12 @@ from gateway.sequence import Chunk, Sequence
 from gateway.stall import StallWatch
 from gateway.state import State
 from rpc.convert import params_to_proto, stop_reason_from_proto
-from rpc.errors import Overloaded, Unavailable, from_rpc_error
+from rpc.errors import Overloaded
 from rpc.protos import worker_pb2
 from rpc.tracing import current, end_span, tracer
 
 logger = logging.getLogger("gateway")
 _tracer = tracer("tandem.gateway")
-
-# Status codes after which the same call may work on another worker.
-RETRYABLE = {
-    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND,
-    grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
-    grpc.StatusCode.CANCELLED,
-}
 
 LEASE_MS_PER_PROMPT_TOKEN = 25
 # How long a retry waits for the previous attempt's aborts. One that takes
@@ -59,28 +52,6 @@ LEASE_MS_PER_PROMPT_TOKEN = 25
 # given the sequence again until it has answered or timed out.
 ABORT_WAIT_S = 0.5
 ABORT_TIMEOUT_S = 5.0
-
-
-class AttemptFailed(Exception):
-    """The attempt failed in a way another worker may not: retry or migrate."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(f"{code.name}: {details}")
-        self.code = code
-        self.details = details
-
-
-class NoWorkerAvailable(Unavailable):
-    """No decode worker is in rotation at all (REST 503): not a full cluster
-    (429), a missing one."""
-
-
-def _worker_failure(err: grpc.aio.AioRpcError, handoff: bool = False) -> Exception:
-    """``handoff``: the failed call was a Prefill, which moves KV between
-    two workers; a layout mismatch or a peer refused is the pair's fault."""
-    if err.code() in RETRYABLE or (handoff and err.code() in HANDOFF_FAILURES):
-        return AttemptFailed(err.code(), err.details() or "")
-    return from_rpc_error(err)
 
 
 class Attempts:
@@ -106,7 +77,7 @@ class Attempts:
             async for chunk in self._run(seq, tried):
                 yield chunk
         except grpc.aio.AioRpcError as err:
-            raise _worker_failure(err) from None
+            raise worker_failure(err) from None
 
     async def _run(self, seq: Sequence, tried: set[str]) -> AsyncIterator[Chunk]:
         needed = len(seq.prompt) + len(seq.sent) + 1
@@ -139,9 +110,9 @@ class Attempts:
             await self.records.state(seq, State.DECODING, decode=decode)
         else:
             decode, ticket = await self._reserve(seq, candidates, params)
-            _stop_if_aborted(seq)
+            stop_if_aborted(seq)
             first = await self._prefill(seq, ticket, params, tried, decode)
-            _stop_if_aborted(seq)
+            stop_if_aborted(seq)
             chunk = _first_chunk(seq, first)
             if chunk.finish_reason:
                 # The first token ended the request: no Decode call; the
@@ -285,7 +256,7 @@ class Attempts:
                 # Either side may be at fault: the retry prefers others for both.
                 tried.add(decode.address)
                 self.pool.pairs.failed(prefill.address, decode.address, err.code().name)
-            raise _worker_failure(err, handoff=True) from None
+            raise worker_failure(err, handoff=True) from None
         except BaseException as exc:
             end_span(span, exc)
             raise
@@ -314,7 +285,7 @@ class Attempts:
             watch = StallWatch(decode, self.stall_timeout_s, stream)
             async for c in stream:
                 watch.progress()
-                _stop_if_aborted(seq)
+                stop_if_aborted(seq)
                 chunk = Chunk(
                     index=seq.index, token_ids=list(c.token_ids), text=c.text,
                     logprobs=list(c.logprobs), finish_reason=c.finish_reason or None,
@@ -382,14 +353,6 @@ class Attempts:
             logger.info("abort of %s on %s failed: %s", seq.request_id, address, err.code().name)
         finally:
             seq.aborting.discard(address)
-
-
-def _stop_if_aborted(seq: Sequence) -> None:
-    """An Abort call that reached a worker before this attempt's call there
-    found nothing to stop: the attempt stops itself at its next step (the
-    orchestrator then aborts it everywhere and ends it with "abort")."""
-    if seq.aborted:
-        raise AttemptFailed(grpc.StatusCode.CANCELLED, "aborted")
 
 
 def _being_cancelled() -> bool:

@@ -13,12 +13,15 @@ import uuid
 from opentelemetry import context as otel_context
 
 from engine.completions import SEQUENCE_SEPARATOR
+from engine.config import default_of
+from engine.sampling_params import SamplingParams
 from gateway.service import GatewayService
 from rpc.convert import params_from_proto, set_stop_reason
 from rpc.protos import common_pb2, generation_pb2, generation_pb2_grpc
 
 MAX_REQUEST_ID_CHARS = 256  # ids travel in every worker call, log line and record
-DEFAULT_MAX_TOKENS = 16  # generation.proto: "0 means 16"
+# generation.proto: "0 means 16", SamplingParams' own default.
+DEFAULT_MAX_TOKENS = default_of(SamplingParams, "max_tokens")
 # Printable ASCII without spaces, and never the sequence separator: an id
 # is written into log lines and records, and "job#0" is completion 0 of
 # request "job".

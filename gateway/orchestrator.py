@@ -23,7 +23,8 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from engine.sampling_params import SamplingParams
-from gateway.attempt import AttemptFailed, Attempts, NoWorkerAvailable
+from gateway.attempt import Attempts
+from gateway.attempt_failure import AttemptFailed, NoWorkerAvailable
 from gateway.disagg_policy import DisaggPolicy
 from gateway.fan_in import FanIn
 from gateway.request_record import RequestRecords

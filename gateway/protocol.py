@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
+from engine.config import default_of
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutputsParams
 from engine.tokenizer import ChatOptions, content_text
@@ -27,8 +28,8 @@ class StreamOptions(BaseModel):
 
 # The fields a model's generation_config.json may give defaults for (a
 # request's null is unset too), and their own defaults (SamplingParams').
-_BUILT_IN = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
-             "repetition_penalty": 1.0}
+_BUILT_IN = {name: default_of(SamplingParams, name)
+             for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
 
 
 class _Common(BaseModel):

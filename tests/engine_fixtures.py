@@ -87,6 +87,16 @@ def _tiny_with_tokenizer(name: str) -> Path:
     return path
 
 
+def with_generation_config(dest: Path, **values) -> Path:
+    """A copy at ``dest`` of the tiny model with a tokenizer, whose
+    generation_config.json also sets ``values`` (sampling defaults)."""
+    shutil.copytree(tiny_with_tokenizer(), dest)
+    gen = dest / "generation_config.json"
+    config = json.loads(gen.read_text()) if gen.is_file() else {}
+    gen.write_text(json.dumps({**config, **values}))
+    return dest
+
+
 def tiny_llm():
     """The offline API over the tiny model with a tokenizer: float32, a
     256-token context, 128 blocks of 4."""

@@ -9,7 +9,13 @@ import pickle
 
 import pytest
 import torch
-from engine_fixtures import VOCAB, assert_all_free, tiny_llm, tiny_with_tokenizer
+from engine_fixtures import (
+    VOCAB,
+    assert_all_free,
+    tiny_llm,
+    tiny_with_tokenizer,
+    with_generation_config,
+)
 
 from engine.prompts import bad_word_ids
 from tandem import LLM, SamplingParams
@@ -332,8 +338,9 @@ def test_logprobs_true_runs_beside_other_requests(llm):
     """It crashed the sampler's step (topk of a bool), and every request in it."""
     outs = llm.generate([PROMPT, PROMPT], [greedy(max_tokens=3, logprobs=True), greedy()],
                         use_tqdm=False)
-    assert [len(e) for e in outs[0].outputs[0].logprobs] and len(outs[1].outputs[0].token_ids)
-    assert all(1 <= len(e) <= 2 for e in outs[0].outputs[0].logprobs)
+    # Three tokens, each with its own logprob and the top one (one entry when they are one).
+    assert [1 <= len(e) <= 2 for e in outs[0].outputs[0].logprobs] == [True] * 3
+    assert len(outs[1].outputs[0].token_ids) == 8
     assert_all_free(llm.engine)
 
 
@@ -356,20 +363,8 @@ def test_chat_takes_vllms_parameters_in_vllms_order(llm):
     assert b.outputs[0].finished()  # a method, as vLLM's
 
 
-def _with_generation_config(tmp_path, **values):
-    import json
-    import shutil
-
-    path = tmp_path / "model"
-    shutil.copytree(tiny_with_tokenizer(), path)
-    gen = path / "generation_config.json"
-    config = json.loads(gen.read_text()) if gen.is_file() else {}
-    gen.write_text(json.dumps({**config, **values}))
-    return str(path)
-
-
 def test_the_models_generation_config_sets_the_defaults(tmp_path):
-    model = _with_generation_config(tmp_path, temperature=0.0, max_new_tokens=3)
+    model = str(with_generation_config(tmp_path / "model", temperature=0.0, max_new_tokens=3))
     kw = dict(dtype="float32", block_size=4, num_blocks=128, max_model_len=256)
     llm = LLM(model, **kw)
     default = llm.get_default_sampling_params()
@@ -385,7 +380,7 @@ def test_the_models_generation_config_sets_the_defaults(tmp_path):
     assert plain.get_default_sampling_params() == SamplingParams()
     with pytest.raises(ValueError, match="generation_config must be one of"):
         LLM(model, generation_config="hf", **kw)
-    bad = _with_generation_config(tmp_path / "bad", temperature=-1)
+    bad = str(with_generation_config(tmp_path / "bad", temperature=-1))
     with pytest.raises(ValueError, match="generation_config.json: temperature"):
         LLM(bad, **kw)
 

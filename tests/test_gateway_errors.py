@@ -637,7 +637,7 @@ def test_a_workers_status_is_mapped_once():
     """A failed call to a worker becomes a retry (AttemptFailed) or the
     client's own error in one place; a worker's UNAVAILABLE is not the
     gateway draining (which is 503)."""
-    from gateway.attempt import AttemptFailed, _worker_failure
+    from gateway.attempt_failure import AttemptFailed, worker_failure
     from rpc.errors import Draining, LayoutMismatch, Unavailable, from_rpc_error
 
     def failed(code: grpc.StatusCode) -> grpc.aio.AioRpcError:
@@ -646,11 +646,11 @@ def test_a_workers_status_is_mapped_once():
 
     for code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND,
                  grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED):
-        err = _worker_failure(failed(code))
+        err = worker_failure(failed(code))
         assert isinstance(err, AttemptFailed) and err.code == code, code
         assert str(err) == f"{code.name}: why"
-    assert isinstance(_worker_failure(failed(grpc.StatusCode.INVALID_ARGUMENT)), ValueError)
-    assert isinstance(_worker_failure(failed(grpc.StatusCode.FAILED_PRECONDITION)),
+    assert isinstance(worker_failure(failed(grpc.StatusCode.INVALID_ARGUMENT)), ValueError)
+    assert isinstance(worker_failure(failed(grpc.StatusCode.FAILED_PRECONDITION)),
                       LayoutMismatch)
     unavailable = from_rpc_error(failed(grpc.StatusCode.UNAVAILABLE))
     assert isinstance(unavailable, Unavailable) and not isinstance(unavailable, Draining)

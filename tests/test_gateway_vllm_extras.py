@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import openai
 import pytest
+from engine_fixtures import with_generation_config
 from gateway_fixtures import (
     GREEDY,
     MESSAGES,
@@ -15,6 +16,7 @@ from gateway_fixtures import (
     SERVED,
     module_cluster,
     openai_fixtures,
+    start_gateway,
 )
 
 NUM_BLOCKS = 64
@@ -282,16 +284,7 @@ def test_the_models_generation_config_fills_what_a_request_leaves_unset(cluster,
     """As vLLM's server: the model's generation_config.json (greedy, 4 new
     tokens here) for the fields a request does not send; ``--generation-config
     vllm`` ignores it."""
-    import json
-    import shutil
-
-    from gateway_fixtures import start_gateway, tiny_model
-
-    model = tmp_path / "model"
-    shutil.copytree(tiny_model(), model)
-    gen = model / "generation_config.json"
-    config = json.loads(gen.read_text()) if gen.is_file() else {}
-    gen.write_text(json.dumps({**config, "temperature": 0.0, "max_new_tokens": 4}))
+    model = with_generation_config(tmp_path / "model", temperature=0.0, max_new_tokens=4)
 
     def chat(gw, **kw):
         out = gw.client().chat.completions.create(model=SERVED, messages=MESSAGES,
